@@ -1,0 +1,202 @@
+"""Fused, token-chunked lm_head + log-softmax-gather: per-token log-probs without (tokens x vocab) logits.
+
+``linear_logps`` is what the model's lm_head proxy calls. The logits of only one chunk of tokens exist at a time:
+forward keeps per-token statistics (log-sum-exp, entropy), backward recomputes each chunk's logits from the saved
+hidden states and weight.
+
+Dtypes: each chunk's logits come from ``hidden @ weight.T (+ bias)`` in the inputs' common dtype (the matmul
+output dtype follows the inputs, so bf16 inputs give bf16 logits, rounded exactly as the model's own lm_head would
+round them); softcap, temperature and every softmax statistic are then computed in float32. Gradients are
+accumulated across chunks in float32 and cast back to the input dtypes at the end.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .kernels._torch_reference import logsoftmax_gather_backward_torch, logsoftmax_gather_forward_torch
+
+# Float32 logits held per chunk when chunk_size is None. Backward holds about two such buffers at once.
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+
+def default_chunk_size(num_rows: int, vocab_size: int, budget_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Rows per chunk so that one chunk's float32 logits fit in ``budget_bytes`` (at least 1 row)."""
+    return max(1, min(max(num_rows, 1), budget_bytes // (4 * max(vocab_size, 1))))
+
+
+def _chunk_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logits (rows, V) of one chunk; with softcap also tanh(x / softcap), which backward's chain rule needs.
+
+    Without softcap the logits stay in the matmul dtype (the statistics upcast internally); with softcap they are
+    float32 so tanh does not round a second time.
+    """
+    logits = torch.addmm(bias, hidden, weight.t()) if bias is not None else hidden @ weight.t()
+    if softcap is None:
+        return logits, None
+    tanh = logits.float().div_(softcap).tanh_()
+    return tanh * softcap, tanh
+
+
+def _stats_forward(logits, targets, inv_temperature, return_entropy):
+    return logsoftmax_gather_forward_torch(logits, targets, inv_temperature, -100, return_entropy)
+
+
+def _stats_backward(logits, targets, lse, entropy, grad_logps, grad_entropy, inv_temperature):
+    # The chunk's logits are recomputed scratch, so the gradient may overwrite them.
+    return logsoftmax_gather_backward_torch(
+        logits, targets, lse, entropy, grad_logps, grad_entropy, inv_temperature, -100, inplace=True
+    )
+
+
+class LinearLogpsFunction(torch.autograd.Function):
+    """Autograd node of the chunked head over already-compacted rows (every target is a real token id)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, return_entropy, chunk_size):
+        n = hidden.shape[0]
+        inv_t = 1.0 / temperature
+        logps = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty_like(logps)
+        entropy = torch.empty_like(logps) if return_entropy else None
+        for start in range(0, n, chunk_size):
+            end = min(start + chunk_size, n)
+            logits, _ = _chunk_logits(hidden[start:end], weight, bias, softcap)
+            lp, ls, ent = _stats_forward(logits, targets[start:end], inv_t, return_entropy)
+            logps[start:end] = lp
+            lse[start:end] = ls
+            if return_entropy:
+                entropy[start:end] = ent
+            del logits
+        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.inv_t = inv_t
+        ctx.softcap = softcap
+        ctx.return_entropy = return_entropy
+        ctx.chunk_size = chunk_size
+        if return_entropy:
+            return logps, entropy
+        return logps
+
+    @staticmethod
+    def backward(ctx, *grads):
+        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        grad_logps = grads[0]
+        grad_entropy = grads[1] if ctx.return_entropy else None
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        n = hidden.shape[0]
+        grad_hidden = torch.empty_like(hidden) if need_h else None
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        if grad_logps is None and grad_entropy is None:
+            return None, None, None, None, None, None, None, None
+        for start in range(0, n, ctx.chunk_size):
+            end = min(start + ctx.chunk_size, n)
+            h = hidden[start:end]
+            logits, tanh = _chunk_logits(h, weight, bias, ctx.softcap)
+            d_logits = _stats_backward(
+                logits,
+                targets[start:end],
+                lse[start:end],
+                entropy[start:end] if entropy is not None else None,
+                grad_logps[start:end] if grad_logps is not None else None,
+                grad_entropy[start:end] if grad_entropy is not None else None,
+                ctx.inv_t,
+            )
+            if tanh is not None:
+                # d/dx [c * tanh(x / c)] = 1 - tanh^2, computed in tanh's buffer to avoid another chunk tensor.
+                d_logits = tanh.mul_(tanh).neg_().add_(1.0).mul_(d_logits)
+            del logits
+            d_mm = d_logits.to(h.dtype)
+            if need_h:
+                grad_hidden[start:end] = d_mm @ weight
+            if need_w:
+                if d_mm.dtype == torch.float32:
+                    grad_weight.addmm_(d_mm.t(), h)
+                else:
+                    grad_weight.add_(d_mm.t() @ h)
+            if need_b:
+                grad_bias.add_(d_logits.float().sum(0))
+            del d_logits, d_mm
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(bias.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
+def linear_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    return_entropy: bool = False,
+    chunk_size: int | None = None,
+    ignore_index: int = -100,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs (and entropy) of ``targets`` under ``hidden @ weight.T (+ bias)``, chunked over tokens.
+
+    Args:
+        hidden: (N, H) or (..., H) float16 / bfloat16 / float32 final hidden states.
+        weight: (V, H) lm_head weight (possibly the tied embedding).
+        targets: (N,) or (...) int64 token ids; ``ignore_index`` marks rows to skip: they get log-prob 0 and
+            entropy 0, no gradient, and are compacted away before the matmul so they cost nothing.
+        bias: (V,) or None.
+        temperature: the tempered distribution is ``softmax(logits / temperature)``.
+        softcap: if set, ``logits = softcap * tanh(logits / softcap)`` before the temperature (Gemma-2 style).
+        return_entropy: also return ``-sum p log p`` of the tempered distribution.
+        chunk_size: rows per chunk; None picks it so one chunk's float32 logits take about 256 MiB.
+    Returns:
+        float32 log-probs shaped like ``targets`` (always <= 0), or ``(logps, entropy)`` when ``return_entropy``.
+        Differentiable w.r.t. ``hidden``, ``weight`` and ``bias`` (through the entropy too).
+    """
+    if temperature <= 0 or not math.isfinite(temperature):
+        raise ValueError(f"temperature must be positive and finite, got {temperature}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be positive or None, got {softcap}")
+    out_shape = targets.shape
+    hidden_2d = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1)
+    if hidden_2d.shape[0] != flat_targets.shape[0]:
+        raise ValueError(f"hidden has {hidden_2d.shape[0]} rows but targets has {flat_targets.shape[0]}")
+    if weight.dim() != 2 or weight.shape[1] != hidden_2d.shape[1]:
+        raise ValueError(f"weight must be (V, {hidden_2d.shape[1]}), got {tuple(weight.shape)}")
+    compute_dtype = torch.promote_types(hidden_2d.dtype, weight.dtype)
+    if bias is not None:
+        compute_dtype = torch.promote_types(compute_dtype, bias.dtype)
+        bias = bias.to(compute_dtype)
+    hidden_2d = hidden_2d.to(compute_dtype)
+    weight = weight.to(compute_dtype)
+
+    n = flat_targets.shape[0]
+    keep = (flat_targets != ignore_index).nonzero().squeeze(1)
+    compact = keep.shape[0] != n
+    if compact:
+        hidden_2d = hidden_2d.index_select(0, keep)
+        flat_targets = flat_targets.index_select(0, keep)
+    rows = hidden_2d.shape[0]
+    if chunk_size is None:
+        chunk_size = default_chunk_size(rows, weight.shape[0])
+    chunk_size = max(1, int(chunk_size))
+
+    if rows == 0:
+        # Nothing to compute; still return tensors connected to the inputs so backward() works.
+        zero = sum(t.float().sum() for t in (hidden_2d, weight, bias) if t is not None) * 0.0
+        logps = zero.expand(0)
+        outs = (logps, logps.clone()) if return_entropy else (logps,)
+    else:
+        result = LinearLogpsFunction.apply(
+            hidden_2d, weight, bias, flat_targets.long(), float(temperature), softcap, return_entropy, chunk_size
+        )
+        outs = result if return_entropy else (result,)
+
+    if compact:
+        outs = tuple(o.new_zeros(n).index_copy(0, keep, o) for o in outs)
+    outs = tuple(o.reshape(out_shape) for o in outs)
+    return outs if return_entropy else outs[0]

@@ -1,0 +1,191 @@
+"""The attention function registered with transformers' ``AttentionInterface``.
+
+transformers calls it from every attention layer with post-RoPE ``query`` (batch, heads, q_len, head_dim) and
+``key``/``value`` (batch, kv_heads, k_len, head_dim). It dispatches on the phase context passed as a model kwarg:
+
+- no context: the model's original implementation, untouched (generation and plain forwards);
+- :class:`CaptureContext`: Phase 1, causal attention over the left-padded prompts, recording keys/values;
+- :class:`SharedContext`: Phase 2, completion queries over [group prefix ; own tokens causally].
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from .context import CONTEXT_KWARG, CaptureContext, SharedContext
+
+#: Name under which the function is registered. transformers matches implementation names by substring
+#: ("sdpa", "flash", "flex_attention" switch on special code paths), so none of those may appear in it.
+ATTENTION_NAME = "shared_prefix_logps"
+
+# id(config) -> name of the implementation the model used before it was switched to ours.
+_ORIGINAL_IMPLEMENTATION: dict[int, str] = {}
+
+# Attention kwargs that change the math in ways the shared path does not implement.
+_UNSUPPORTED_KWARGS = ("s_aux", "sinks", "attention_chunk_size", "position_bias")
+
+
+class ReentrantCheckpointError(RuntimeError):
+    """Raised when a layer runs under reentrant activation checkpointing, which would drop the prompt's gradient."""
+
+
+def remember_original_implementation(config, name: str) -> None:
+    """Record which implementation ``config``'s model used before it was switched to :data:`ATTENTION_NAME`."""
+    _ORIGINAL_IMPLEMENTATION[id(config)] = name
+
+
+def original_implementation_name(config) -> str:
+    """The implementation name to fall back to for plain forwards of the model that owns ``config``."""
+    return _ORIGINAL_IMPLEMENTATION.get(id(config), "sdpa")
+
+
+def _original_attention(module):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = original_implementation_name(module.config)
+    if name == "eager" or name not in ALL_ATTENTION_FUNCTIONS:
+        # "eager" is each modeling file's own function, not an interface entry.
+        return sys.modules[type(module).__module__].eager_attention_forward
+    return ALL_ATTENTION_FUNCTIONS[name]
+
+
+def shared_prefix_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers attention-interface entry point; see the module docstring for the dispatch."""
+    context = kwargs.pop(CONTEXT_KWARG, None)
+    if context is None:
+        return _original_attention(module)(module, query, key, value, attention_mask, **kwargs)
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{type(module).__name__} passes `{name}` to its attention; the shared-prefix path does not support it"
+            )
+    if context.needs_grad and not torch.is_grad_enabled():
+        raise ReentrantCheckpointError(
+            "a decoder layer ran with gradients disabled although the caller needs them: this is what reentrant "
+            "activation checkpointing does, and it would silently drop the gradient through the shared prompt. "
+            "Enable checkpointing with gradient_checkpointing_kwargs={'use_reentrant': False}."
+        )
+    scaling = kwargs.get("scaling")
+    if scaling is None:
+        scaling = module.head_dim**-0.5
+    options = dict(
+        scaling=scaling,
+        softcap=kwargs.get("softcap"),
+        dropout=kwargs.get("dropout", 0.0) if module.training else 0.0,
+    )
+    window = kwargs.get("sliding_window")
+    if isinstance(context, CaptureContext):
+        return _capture_attention(module, query, key, value, context, window, options), None
+    if isinstance(context, SharedContext):
+        return _shared_expand_attention(module, query, key, value, context, window, options), None
+    raise TypeError(f"{CONTEXT_KWARG} must be a CaptureContext or SharedContext, got {type(context).__name__}")
+
+
+def _capture_attention(module, query, key, value, context: CaptureContext, window, options):
+    # Checkpointed layers come back here when backward recomputes them; the first recording is the one Phase 2
+    # built its graph on, so it is kept.
+    context.kv.setdefault(module, (key, value))
+    mask = _cached_mask(context, ("prefix", window), lambda: prefix_causal_mask(context, window))
+    return masked_attention(query, key, value, mask, **options)
+
+
+def _shared_expand_attention(module, query, key, value, context: SharedContext, window, options):
+    own_mask = _cached_mask(context, ("own", window), lambda: own_causal_mask(context, window))
+    capture = context.capture
+    if capture is None:
+        return masked_attention(query, key, value, own_mask, **options)
+    try:
+        prefix_key, prefix_value = capture.kv[module]
+    except KeyError:
+        raise ValueError(
+            f"attention layer {type(module).__name__} was not seen while the prompts were forwarded; "
+            "this model's layers cannot share a prefix"
+        ) from None
+    rows = context.group_index
+    keys = torch.cat([prefix_key[rows], key], dim=2)
+    values = torch.cat([prefix_value[rows], value], dim=2)
+    mask = _cached_mask(
+        context,
+        ("shared", window),
+        lambda: torch.cat([completion_prefix_mask(context, window), own_mask.expand(rows.numel(), -1, -1, -1)], dim=-1),
+    )
+    return masked_attention(query, keys, values, mask, **options)
+
+
+def _cached_mask(context, key, build):
+    # Masks depend on the layer only through its sliding window; build each once per phase.
+    if key not in context.masks:
+        context.masks[key] = build()
+    return context.masks[key]
+
+
+def _window_ok(query_positions, key_positions, window):
+    # transformers' sliding window keeps key k for query q when q - k < window.
+    return (query_positions - key_positions) < window
+
+
+def prefix_causal_mask(context: CaptureContext, window) -> torch.Tensor:
+    """(num_prompts, 1, L, L) bool mask of Phase 1: causal, no padded keys, every query sees at least itself."""
+    length = context.key_valid.shape[1]
+    idx = torch.arange(length, device=context.key_valid.device)
+    mask = (idx[None, :, None] >= idx[None, None, :]) & context.key_valid[:, None, :]
+    if window is not None:
+        pos = context.positions
+        mask = mask & _window_ok(pos[:, :, None], pos[:, None, :], window)
+    # Padded queries would otherwise see no key at all and produce NaN that poisons gradients.
+    mask = mask | torch.eye(length, dtype=torch.bool, device=mask.device)
+    return mask[:, None]
+
+
+def own_causal_mask(context: SharedContext, window) -> torch.Tensor:
+    """(1, 1, C, C) bool mask of a completion row over its own tokens."""
+    length = context.positions.shape[1]
+    idx = torch.arange(length, device=context.positions.device)
+    mask = idx[:, None] >= idx[None, :]
+    if window is not None:
+        mask = mask & _window_ok(idx[:, None], idx[None, :], window)
+    return mask[None, None]
+
+
+def completion_prefix_mask(context: SharedContext, window) -> torch.Tensor:
+    """(rows, 1, C, prefix_len) bool mask of completion queries over their group's prefix keys."""
+    capture = context.capture
+    rows = context.group_index
+    mask = capture.key_valid[rows][:, None, :].expand(-1, context.positions.shape[1], -1)
+    if window is not None:
+        mask = mask & _window_ok(context.positions[:, :, None], capture.positions[rows][:, None, :], window)
+    return mask[:, None]
+
+
+def masked_attention(query, key, value, mask, *, scaling, softcap, dropout) -> torch.Tensor:
+    """Softmax attention with a boolean mask.
+
+    Args:
+        query: (batch, heads, q_len, head_dim).
+        key, value: (batch, kv_heads, k_len, head_dim); kv_heads divides heads (grouped-query attention).
+        mask: bool, broadcastable to (batch, 1, q_len, k_len); True where a query may attend. Every query row must
+            have at least one True.
+        scaling: multiplies the scores; softcap: scores -> softcap * tanh(scores / softcap) when not None.
+
+    Returns:
+        (batch, q_len, heads, head_dim) in ``query``'s dtype, the layout transformers expects back.
+    """
+    groups = query.shape[1] // key.shape[1]
+    if softcap is None:
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=groups > 1
+        )
+        return out.transpose(1, 2).contiguous()
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if dropout:
+        probs = F.dropout(probs, p=dropout)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous()

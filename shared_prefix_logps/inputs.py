@@ -1,0 +1,225 @@
+"""Validate and normalize the caller's prompts and completions into one grouped batch.
+
+Every public entry point funnels its inputs through here, so bad input fails early with an error that names the
+argument, and the phases can rely on a single layout: left-padded prompts, right-padded completions, and for each
+completion row the index of its prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class GroupedBatch:
+    """Prompts and the completions that continue them.
+
+    Attributes:
+        prompt_ids: (num_prompts, P) int64, left-padded; padded positions hold 0.
+        prompt_mask: (num_prompts, P) bool; every row has at least one True and the last column is all True.
+        completion_ids: (rows, C) int64, right-padded; padded positions hold 0.
+        completion_mask: (rows, C) bool, right-padded (a row may be empty).
+        group_index: (rows,) int64 index into the prompts of each completion row.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    group_index: torch.Tensor
+
+    @property
+    def prompt_lengths(self) -> torch.Tensor:
+        """(num_prompts,) int64 true prompt lengths."""
+        return self.prompt_mask.sum(1)
+
+    def trimmed(self) -> GroupedBatch:
+        """The same batch without columns that are padding in every row (leading for prompts, trailing for
+        completions); the completion length can only shrink, so callers pad results back to the original C."""
+        lead = int((~self.prompt_mask).all(0).sum().item()) if self.prompt_mask.numel() else 0
+        keep_c = int(self.completion_mask.sum(1).max().item()) if self.completion_mask.numel() else 0
+        return GroupedBatch(
+            prompt_ids=self.prompt_ids[:, lead:],
+            prompt_mask=self.prompt_mask[:, lead:],
+            completion_ids=self.completion_ids[:, :keep_c],
+            completion_mask=self.completion_mask[:, :keep_c],
+            group_index=self.group_index,
+        )
+
+
+def _as_id_tensor(name: str, value, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A (rows, length) int64 tensor from a tensor or a list of id lists; for lists also the padding mask."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integer token ids, got dtype {value.dtype}")
+        if value.dim() != 2:
+            raise ValueError(f"{name} must be 2-D (rows, length), got shape {tuple(value.shape)}")
+        return value.to(device=device, dtype=torch.long), None
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a LongTensor or a list of token-id lists, got {type(value).__name__}")
+    rows = []
+    for i, row in enumerate(value):
+        if isinstance(row, torch.Tensor):
+            row = row.tolist()
+        if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
+            raise TypeError(f"{name}[{i}] must be a list of token ids, got {type(row).__name__}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in row):
+            raise TypeError(f"{name}[{i}] must contain only integer token ids")
+        rows.append(row)
+    return None, rows
+
+
+def _check_mask(name: str, mask, shape, device) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(mask).__name__}")
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"{name} has shape {tuple(mask.shape)} but its ids have shape {tuple(shape)}")
+    if mask.dtype != torch.bool:
+        if mask.dtype.is_floating_point or mask.dtype.is_complex:
+            raise TypeError(f"{name} must be bool or integer 0/1, got dtype {mask.dtype}")
+        if mask.numel() and not ((mask == 0) | (mask == 1)).all():
+            raise ValueError(f"{name} must hold only 0 and 1")
+    return mask.to(device=device, dtype=torch.bool)
+
+
+def _left_padded_from_lists(rows, device):
+    length = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros(len(rows), length, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, length - len(row) :] = torch.tensor(row, dtype=torch.long)
+            mask[i, length - len(row) :] = True
+    return ids.to(device), mask.to(device)
+
+
+def _right_padded_from_lists(rows, device):
+    length = max((len(r) for r in rows), default=0)
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    mask = torch.zeros(len(rows), length, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+            mask[i, : len(row)] = True
+    return ids.to(device), mask.to(device)
+
+
+def _check_ids_in_vocab(name: str, ids: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    valid = ids[mask]
+    if valid.numel():
+        low, high = int(valid.min()), int(valid.max())
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"{name} holds token id {bad} outside the model's vocabulary [0, {vocab_size})")
+    # Padded positions may hold anything (pad ids, -100); give the embedding a valid id there.
+    return ids.masked_fill(~mask, 0)
+
+
+def normalize_prompts(prompts, prompt_mask, *, device, vocab_size) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded (num_prompts, P) int64 ids with their (num_prompts, P) bool mask."""
+    ids, rows = _as_id_tensor("prompts", prompts, device)
+    if ids is None:
+        if prompt_mask is not None:
+            raise ValueError("prompt_mask must be None when prompts is a list of token-id lists")
+        if not rows:
+            raise ValueError("prompts is empty")
+        for i, row in enumerate(rows):
+            if not row:
+                raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+        ids, mask = _left_padded_from_lists(rows, device)
+    else:
+        if ids.shape[0] == 0 or ids.shape[1] == 0:
+            raise ValueError(f"prompts is empty (shape {tuple(ids.shape)})")
+        mask = (
+            torch.ones_like(ids, dtype=torch.bool)
+            if prompt_mask is None
+            else _check_mask("prompt_mask", prompt_mask, ids.shape, device)
+        )
+        if not mask[:, -1].all():
+            bad = int((~mask[:, -1]).nonzero()[0])
+            raise ValueError(
+                f"prompt_mask row {bad} does not end with a real token: prompts must be left-padded and non-empty"
+            )
+        if (mask[:, 1:] < mask[:, :-1]).any():
+            bad = int((mask[:, 1:] < mask[:, :-1]).any(1).nonzero()[0])
+            raise ValueError(f"prompt_mask row {bad} is not left-padded (a padded position follows a real token)")
+    return _check_ids_in_vocab("prompts", ids, mask, vocab_size), mask
+
+
+def normalize_completions(completions, completion_mask, *, device, vocab_size) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (rows, C) int64 ids with their (rows, C) bool mask."""
+    ids, rows = _as_id_tensor("completions", completions, device)
+    if ids is None:
+        if completion_mask is not None:
+            raise ValueError("completion_mask must be None when completions is a list of token-id lists")
+        if not rows:
+            raise ValueError("completions is empty")
+        ids, mask = _right_padded_from_lists(rows, device)
+    else:
+        if ids.shape[0] == 0:
+            raise ValueError(f"completions is empty (shape {tuple(ids.shape)})")
+        mask = (
+            torch.ones_like(ids, dtype=torch.bool)
+            if completion_mask is None
+            else _check_mask("completion_mask", completion_mask, ids.shape, device)
+        )
+        if (mask[:, 1:] > mask[:, :-1]).any():
+            bad = int((mask[:, 1:] > mask[:, :-1]).any(1).nonzero()[0])
+            raise ValueError(f"completion_mask row {bad} is not right-padded (a real token follows a padded position)")
+    return _check_ids_in_vocab("completions", ids, mask, vocab_size), mask
+
+
+def group_batch(
+    prompts, completions, prompt_mask, completion_mask, *, device, input_vocab_size, output_vocab_size
+) -> GroupedBatch:
+    """Validate the ``compute_logps`` inputs: G = rows // prompts consecutive completions per prompt."""
+    prompt_ids, prompt_mask = normalize_prompts(prompts, prompt_mask, device=device, vocab_size=input_vocab_size)
+    completion_ids, completion_mask = normalize_completions(
+        completions, completion_mask, device=device, vocab_size=min(input_vocab_size, output_vocab_size)
+    )
+    num_prompts, rows = prompt_ids.shape[0], completion_ids.shape[0]
+    if rows % num_prompts != 0:
+        raise ValueError(
+            f"completions has {rows} rows, not a multiple of the {num_prompts} prompts: "
+            "G = len(completions) // len(prompts) completions must follow each prompt"
+        )
+    group_index = torch.arange(num_prompts, device=device).repeat_interleave(rows // num_prompts)
+    return GroupedBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, group_index)
+
+
+def split_concatenated(
+    input_ids, attention_mask, logits_to_keep, *, device, input_vocab_size, output_vocab_size
+) -> GroupedBatch:
+    """Split trainer-shaped rows ``[left-padded prompt | right-padded completion]`` and share identical prompts.
+
+    Rows whose prompt part (ids under the mask, and the mask) is identical map to one prompt, whatever their order.
+    """
+    ids, rows = _as_id_tensor("input_ids", input_ids, device)
+    if ids is None:
+        raise TypeError("input_ids must be a LongTensor (rows, prompt_len + completion_len)")
+    if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool):
+        raise TypeError(f"logits_to_keep must be an int, got {type(logits_to_keep).__name__}")
+    if ids.shape[0] == 0:
+        raise ValueError("input_ids is empty")
+    if not 1 <= logits_to_keep < ids.shape[1]:
+        raise ValueError(
+            f"logits_to_keep must be in [1, {ids.shape[1] - 1}] so that every row keeps a prompt token, "
+            f"got {logits_to_keep}"
+        )
+    if attention_mask is None:
+        raise ValueError("attention_mask is required: masks come from attention masks, never from token ids")
+    mask = _check_mask("attention_mask", attention_mask, ids.shape, device)
+    split = ids.shape[1] - logits_to_keep
+    prompt_ids, prompt_mask = normalize_prompts(
+        ids[:, :split], mask[:, :split], device=device, vocab_size=input_vocab_size
+    )
+    completion_ids, completion_mask = normalize_completions(
+        ids[:, split:], mask[:, split:], device=device, vocab_size=min(input_vocab_size, output_vocab_size)
+    )
+    # Padded prompt positions already hold 0; marking them -1 keeps "pad" distinct from a real token 0.
+    unique, group_index = torch.unique(prompt_ids.masked_fill(~prompt_mask, -1), dim=0, return_inverse=True)
+    unique_mask = unique >= 0
+    return GroupedBatch(unique.clamp(min=0), unique_mask, completion_ids, completion_mask, group_index)

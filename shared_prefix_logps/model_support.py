@@ -1,0 +1,285 @@
+"""Find the Hugging Face causal LM inside a wrapped model and prepare it for the two phases.
+
+Preparing a model (idempotent, once per model) does three things, all pass-through for ordinary forwards:
+
+1. registers :func:`~shared_prefix_logps.attention.shared_prefix_attention` with transformers' attention and mask
+   interfaces and selects it, remembering the model's original implementation for calls without a phase context;
+2. swaps the lm_head's ``forward`` on the instance for a proxy (module hooks of FSDP/ZeRO still fire around it);
+3. checks once per model class that the head reproduces the model's own logits (unknown logit post-processing
+   must never pass silently).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import attention
+from .context import CaptureContext, SharedContext, active_context
+
+#: Decoder-only families whose attention goes through transformers' AttentionInterface and whose head the library
+#: reproduces; each is covered by the test suite.
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3"})
+
+# Model classes whose head passed the first-use check.
+_VERIFIED_HEAD_CLASSES: set[type] = set()
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture or configuration cannot be served by the shared-prefix path."""
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    """How the model turns final hidden states into logits: ``softcap(scale * hidden @ W.T + b)``."""
+
+    lm_head: nn.Module
+    scale: float
+    softcap: float | None
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    """A model ready for the two phases.
+
+    Attributes:
+        outer: the module the caller passed (DDP, PEFT, ...): every forward goes through it.
+        causal_lm: the transformers ``PreTrainedModel`` with the lm_head.
+        head: the head's post-processing.
+        input_vocab_size: rows of the input embedding (valid input ids are below it).
+        output_vocab_size: rows of the lm_head weight (valid target ids are below it).
+        device: device of the input embedding.
+    """
+
+    outer: nn.Module
+    causal_lm: nn.Module
+    head: HeadSpec
+    input_vocab_size: int
+    output_vocab_size: int
+    device: torch.device
+
+
+def unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers causal LM inside DDP/FSDP(1)/accelerate/``torch.compile``/PEFT wrappers."""
+    seen = 0
+    while seen < 8:
+        seen += 1
+        if hasattr(model, "get_base_model") and callable(model.get_base_model):  # PEFT
+            model = model.get_base_model()
+        elif hasattr(model, "_orig_mod"):  # torch.compile
+            model = model._orig_mod
+        elif isinstance(getattr(model, "module", None), nn.Module) and not hasattr(model, "config"):  # DDP, FSDP1
+            model = model.module
+        else:
+            break
+    if not hasattr(model, "config") or not hasattr(model, "get_output_embeddings"):
+        raise UnsupportedModelError(
+            f"model must be a transformers causal LM (optionally wrapped by PEFT/DDP/FSDP), got {type(model).__name__}"
+        )
+    return model
+
+
+def prepare_model(model: nn.Module) -> PreparedModel:
+    """Check that ``model`` is supported, install the attention function and head proxy, verify the head once.
+
+    Raises:
+        UnsupportedModelError: the model type is not supported or its head does not match its logits.
+    """
+    causal_lm = unwrap_causal_lm(model)
+    config = causal_lm.config
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} ({type(causal_lm).__name__}) is not supported by shared-prefix log-probs; "
+            f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"model type {model_type!r} is an encoder-decoder model")
+    head = _head_spec(causal_lm)
+    _install_attention(causal_lm)
+    _install_head_proxy(head.lm_head)
+    embeddings = causal_lm.get_input_embeddings()
+    prepared = PreparedModel(
+        outer=model,
+        causal_lm=causal_lm,
+        head=head,
+        input_vocab_size=embeddings.weight.shape[0],
+        output_vocab_size=head.lm_head.weight.shape[0],
+        device=embeddings.weight.device,
+    )
+    if type(causal_lm) not in _VERIFIED_HEAD_CLASSES:
+        _verify_head(prepared)
+        _VERIFIED_HEAD_CLASSES.add(type(causal_lm))
+    return prepared
+
+
+def _head_spec(causal_lm) -> HeadSpec:
+    lm_head = causal_lm.get_output_embeddings()
+    if not isinstance(getattr(lm_head, "weight", None), torch.Tensor) or lm_head.weight.dim() != 2:
+        raise UnsupportedModelError(
+            f"the lm_head of {type(causal_lm).__name__} ({type(lm_head).__name__}) has no 2-D weight to fuse"
+        )
+    config = causal_lm.config
+    scale = 1.0
+    if getattr(config, "logit_scale", None) is not None:  # Cohere-style: logits * logit_scale
+        scale *= float(config.logit_scale)
+    if getattr(config, "logits_scaling", None) is not None:  # Granite-style: logits / logits_scaling
+        scale /= float(config.logits_scaling)
+    return HeadSpec(lm_head=lm_head, scale=scale, softcap=getattr(config, "final_logit_softcapping", None))
+
+
+def _install_attention(causal_lm) -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(attention.ATTENTION_NAME, attention.shared_prefix_attention)
+    AttentionMaskInterface.register(attention.ATTENTION_NAME, _shared_prefix_mask)
+    config = causal_lm.config
+    current = config._attn_implementation
+    if current == attention.ATTENTION_NAME:
+        return
+    if hasattr(causal_lm, "_can_set_attn_implementation") and not causal_lm._can_set_attn_implementation():
+        raise UnsupportedModelError(
+            f"{type(causal_lm).__name__} does not route attention through transformers' AttentionInterface"
+        )
+    if current not in (None, "eager", "sdpa"):
+        raise UnsupportedModelError(
+            f"{type(causal_lm).__name__} uses attn_implementation={current!r}; load it with 'sdpa' or 'eager' "
+            "(the shared-prefix path brings its own attention for the prompt and completion phases)"
+        )
+    attention.remember_original_implementation(config, current or "eager")
+    causal_lm.set_attn_implementation(attention.ATTENTION_NAME)
+
+
+def _shared_prefix_mask(*args, config=None, **kwargs):
+    """Mask builder registered beside the attention function.
+
+    Inside a phase the attention function builds its own masks from the context, so transformers builds none
+    (no rows x keys tensor); outside a phase the original implementation's mask builder runs.
+    """
+    if active_context() is not None:
+        return None
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    name = attention.original_implementation_name(config) if config is not None else "sdpa"
+    builder = ALL_MASK_ATTENTION_FUNCTIONS[name if name in ("sdpa", "eager") else "sdpa"]
+    return builder(*args, config=config, **kwargs)
+
+
+def _install_head_proxy(lm_head: nn.Module) -> None:
+    if getattr(lm_head, "_shared_prefix_original_forward", None) is not None:
+        return
+    lm_head._shared_prefix_original_forward = lm_head.forward
+    lm_head.forward = types.MethodType(_lm_head_proxy_forward, lm_head)
+
+
+def _lm_head_proxy_forward(self, hidden_states, *args, **kwargs):
+    """lm_head forward inside the model's forward: full logits normally, fused log-probs inside Phase 2."""
+    context = active_context()
+    if context is None:
+        return self._shared_prefix_original_forward(hidden_states, *args, **kwargs)
+    # Phase 1 needs no logits at all; Phase 2 hands its result back through the context. The model still gets a
+    # tensor of the right rank (with an empty vocabulary axis) for any post-processing it applies.
+    empty = hidden_states.new_empty(*hidden_states.shape[:-1], 0)
+    if isinstance(context, CaptureContext):
+        return empty
+    if not isinstance(context, SharedContext):
+        raise TypeError(f"unexpected phase context {type(context).__name__}")
+    from .head import linear_logps
+
+    spec = context.head_spec
+    hidden = hidden_states[context.query_valid]
+    if spec.scale != 1.0:
+        hidden = hidden * spec.scale
+    result = linear_logps(
+        hidden,
+        self.weight,
+        context.head_targets,
+        bias=self.bias,
+        temperature=context.temperature,
+        softcap=spec.softcap,
+        return_entropy=context.return_entropy,
+    )
+    if context.return_entropy:
+        context.logps, context.entropy = result
+    else:
+        context.logps = result
+    return empty
+
+
+def head_logits(head: HeadSpec, hidden: torch.Tensor) -> torch.Tensor:
+    """Full float32 logits ``softcap(scale * hidden @ W.T + b)`` of a few rows (for checks, not for training)."""
+    logits = head.lm_head._shared_prefix_original_forward(hidden * head.scale if head.scale != 1.0 else hidden)
+    logits = logits.float()
+    if head.softcap is not None:
+        logits = torch.tanh(logits / head.softcap) * head.softcap
+    return logits
+
+
+def _verify_head(prepared: PreparedModel) -> None:
+    """Compare the head's logits with the model's own on a few tokens; raise if they differ."""
+    lm_head = prepared.head.lm_head
+    captured = []
+    handle = lm_head.register_forward_hook(lambda module, inputs, output: captured.append(inputs[0].detach()))
+    ids = torch.arange(1, min(prepared.input_vocab_size, 5), device=prepared.device)[None]
+    try:
+        with torch.no_grad():
+            logits = prepared.outer(input_ids=ids, use_cache=False).logits.float()
+    finally:
+        handle.remove()
+    if len(captured) != 1:
+        raise UnsupportedModelError(
+            f"{type(prepared.causal_lm).__name__} called its lm_head {len(captured)} times in one forward"
+        )
+    with torch.no_grad():
+        ours = head_logits(prepared.head, captured[0])
+    if ours.shape != logits.shape:
+        raise UnsupportedModelError(
+            f"{type(prepared.causal_lm).__name__}: logits of shape {tuple(logits.shape)} do not come from the lm_head "
+            f"alone (head gives {tuple(ours.shape)})"
+        )
+    tolerance = 1e-4 if lm_head.weight.dtype in (torch.float32, torch.float64) else 2e-2
+    error = (ours - logits).abs().max().item()
+    if not error <= tolerance * max(1.0, logits.abs().max().item()):
+        raise UnsupportedModelError(
+            f"{type(prepared.causal_lm).__name__} post-processes its logits in a way the fused head does not "
+            f"reproduce (max |difference| {error:.3g}); refusing to compute log-probs that could be wrong"
+        )
+
+
+def force_non_reentrant_checkpointing(causal_lm: nn.Module):
+    """Context manager: run reentrant activation checkpointing of transformers layers as non-reentrant.
+
+    Reentrant checkpointing runs layers with gradients disabled, so the captured prompt keys/values would carry no
+    gradient. The non-reentrant variant recomputes the same layers exactly; its recomputation is bound at forward
+    time, so restoring the original function afterwards is safe even though backward runs later.
+    """
+    return _SwappedCheckpointing(causal_lm)
+
+
+class _SwappedCheckpointing:
+    def __init__(self, causal_lm):
+        self.causal_lm = causal_lm
+        self.swapped = []
+
+    def __enter__(self):
+        from torch.utils.checkpoint import checkpoint
+
+        for module in self.causal_lm.modules():
+            func = getattr(module, "_gradient_checkpointing_func", None)
+            if not getattr(module, "gradient_checkpointing", False) or func is None:
+                continue
+            if isinstance(func, functools.partial) and func.func is checkpoint and func.keywords.get("use_reentrant"):
+                keywords = {**func.keywords, "use_reentrant": False}
+                self.swapped.append((module, func))
+                module._gradient_checkpointing_func = functools.partial(checkpoint, *func.args, **keywords)
+        return self
+
+    def __exit__(self, *exc):
+        for module, func in self.swapped:
+            module._gradient_checkpointing_func = func
+        return False

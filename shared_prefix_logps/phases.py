@@ -1,0 +1,78 @@
+"""The two phases of a shared-prefix forward, both through the caller's outermost module.
+
+Phase 1 forwards each prompt once, without its last token, and records every layer's post-RoPE keys/values.
+Phase 2 forwards each completion row as ``[last prompt token, completion[:-1]]`` at positions that continue its
+prompt; its queries attend over the group's recorded prefix and causally over the row itself, and the lm_head
+proxy turns the valid queries' hidden states into log-probs of the completion tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .context import CONTEXT_KWARG, CaptureContext, SharedContext, activated
+from .inputs import GroupedBatch
+from .model_support import PreparedModel, force_non_reentrant_checkpointing
+
+
+def capture_prefix(prepared: PreparedModel, batch: GroupedBatch) -> CaptureContext | None:
+    """Phase 1: forward ``prompt[:, :-1]`` of every prompt once and record each layer's keys/values.
+
+    Returns None when every prompt has a single token (no prefix to share).
+    """
+    prefix_ids = batch.prompt_ids[:, :-1]
+    prefix_mask = batch.prompt_mask[:, :-1]
+    if prefix_ids.shape[1] == 0:
+        return None
+    # Leading columns that are padding in every prompt (all one-token prompts but one, say) hold no key.
+    lead = int((~prefix_mask).all(0).sum().item())
+    prefix_ids, prefix_mask = prefix_ids[:, lead:], prefix_mask[:, lead:]
+    if prefix_ids.shape[1] == 0:
+        return None
+    positions = (prefix_mask.long().cumsum(1) - 1).clamp(min=0)
+    context = CaptureContext(key_valid=prefix_mask, positions=positions, needs_grad=torch.is_grad_enabled())
+    _forward(prepared, prefix_ids, positions, context)
+    if not context.kv:
+        raise ValueError(f"{type(prepared.causal_lm).__name__} ran no attention layer through the shared-prefix path")
+    return context
+
+
+def score_completions(
+    prepared: PreparedModel,
+    batch: GroupedBatch,
+    capture: CaptureContext | None,
+    *,
+    temperature: float,
+    return_entropy: bool,
+) -> SharedContext:
+    """Phase 2: log-probs (and entropy) of every valid completion token; see :class:`SharedContext`.
+
+    The returned context's ``logps``/``entropy`` are (num_valid,) float32 in row-major order of
+    ``batch.completion_mask``.
+    """
+    rows, length = batch.completion_ids.shape
+    group_index = batch.group_index
+    last_prompt_token = batch.prompt_ids[group_index, -1]
+    query_ids = torch.cat([last_prompt_token[:, None], batch.completion_ids[:, :-1]], dim=1)
+    start = batch.prompt_lengths[group_index] - 1
+    positions = start[:, None] + torch.arange(length, device=start.device)[None, :]
+    context = SharedContext(
+        capture=capture,
+        group_index=group_index,
+        positions=positions,
+        query_valid=batch.completion_mask,
+        head_targets=batch.completion_ids[batch.completion_mask],
+        temperature=temperature,
+        return_entropy=return_entropy,
+        needs_grad=torch.is_grad_enabled(),
+        head_spec=prepared.head,
+    )
+    _forward(prepared, query_ids, positions, context)
+    if context.logps is None:
+        raise ValueError(f"{type(prepared.causal_lm).__name__} did not call its lm_head inside its forward")
+    return context
+
+
+def _forward(prepared: PreparedModel, input_ids, position_ids, context) -> None:
+    with force_non_reentrant_checkpointing(prepared.causal_lm), activated(context):
+        prepared.outer(input_ids=input_ids, position_ids=position_ids, use_cache=False, **{CONTEXT_KWARG: context})

@@ -1,7 +1,7 @@
 """Fused, token-chunked lm_head + log-softmax-gather: per-token log-probs without (tokens x vocab) logits.
 
 ``linear_logps`` is what the model's lm_head proxy calls. The logits of only one chunk of tokens exist at a time:
-forward keeps per-token statistics (log-sum-exp, entropy), backward recomputes each chunk's logits from the saved
+forward keeps per-token statistics (softmax normaliser, entropy), backward recomputes each chunk's logits from the saved
 hidden states and weight.
 
 Dtypes: each chunk's logits come from ``hidden @ weight.T (+ bias)`` in the inputs' common dtype (the matmul
@@ -16,7 +16,11 @@ import math
 
 import torch
 
-from .kernels._torch_reference import logsoftmax_gather_backward_torch, logsoftmax_gather_forward_torch
+from .kernels._backend import resolve_backend, stats_backward, stats_forward
+
+# Rows are compacted before the autograd node, so the statistics see no ignored rows; this id matches none, so a
+# stray negative id still fails loudly (nan / index error) instead of being silently skipped.
+_NO_IGNORE = -(2**63)
 
 # Float32 logits held per chunk when chunk_size is None. Backward holds about two such buffers at once.
 DEFAULT_CHUNK_BYTES = 256 * 2**20
@@ -42,48 +46,38 @@ def _chunk_logits(
     return tanh * softcap, tanh
 
 
-def _stats_forward(logits, targets, inv_temperature, return_entropy):
-    return logsoftmax_gather_forward_torch(logits, targets, inv_temperature, -100, return_entropy)
-
-
-def _stats_backward(logits, targets, lse, entropy, grad_logps, grad_entropy, inv_temperature):
-    # The chunk's logits are recomputed scratch, so the gradient may overwrite them.
-    return logsoftmax_gather_backward_torch(
-        logits, targets, lse, entropy, grad_logps, grad_entropy, inv_temperature, -100, inplace=True
-    )
-
-
 class LinearLogpsFunction(torch.autograd.Function):
     """Autograd node of the chunked head over already-compacted rows (every target is a real token id)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, return_entropy, chunk_size):
+    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, return_entropy, chunk_size, backend):
         n = hidden.shape[0]
         inv_t = 1.0 / temperature
         logps = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty_like(logps)
+        norm = torch.empty((2, n), dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logps) if return_entropy else None
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             logits, _ = _chunk_logits(hidden[start:end], weight, bias, softcap)
-            lp, ls, ent = _stats_forward(logits, targets[start:end], inv_t, return_entropy)
+            lp, nm, ent = stats_forward(logits, targets[start:end], inv_t, _NO_IGNORE, return_entropy, backend)
             logps[start:end] = lp
-            lse[start:end] = ls
+            norm[:, start:end] = nm
             if return_entropy:
                 entropy[start:end] = ent
             del logits
-        ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
+        ctx.save_for_backward(hidden, weight, bias, targets, norm, entropy)
         ctx.inv_t = inv_t
         ctx.softcap = softcap
         ctx.return_entropy = return_entropy
         ctx.chunk_size = chunk_size
+        ctx.backend = backend
         if return_entropy:
             return logps, entropy
         return logps
 
     @staticmethod
     def backward(ctx, *grads):
-        hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
+        hidden, weight, bias, targets, norm, entropy = ctx.saved_tensors
         grad_logps = grads[0]
         grad_entropy = grads[1] if ctx.return_entropy else None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
@@ -92,19 +86,23 @@ class LinearLogpsFunction(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         if grad_logps is None and grad_entropy is None:
-            return None, None, None, None, None, None, None, None
+            return (None,) * 9
         for start in range(0, n, ctx.chunk_size):
             end = min(start + ctx.chunk_size, n)
             h = hidden[start:end]
             logits, tanh = _chunk_logits(h, weight, bias, ctx.softcap)
-            d_logits = _stats_backward(
+            # The chunk's logits are recomputed scratch, so d logits may overwrite them (inplace=True).
+            d_logits = stats_backward(
                 logits,
                 targets[start:end],
-                lse[start:end],
+                norm[:, start:end],
                 entropy[start:end] if entropy is not None else None,
                 grad_logps[start:end] if grad_logps is not None else None,
                 grad_entropy[start:end] if grad_entropy is not None else None,
                 ctx.inv_t,
+                _NO_IGNORE,
+                True,
+                ctx.backend,
             )
             if tanh is not None:
                 # d/dx [c * tanh(x / c)] = 1 - tanh^2, computed in tanh's buffer to avoid another chunk tensor.
@@ -125,7 +123,7 @@ class LinearLogpsFunction(torch.autograd.Function):
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def linear_logps(
@@ -139,6 +137,7 @@ def linear_logps(
     return_entropy: bool = False,
     chunk_size: int | None = None,
     ignore_index: int = -100,
+    backend: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs (and entropy) of ``targets`` under ``hidden @ weight.T (+ bias)``, chunked over tokens.
 
@@ -152,6 +151,9 @@ def linear_logps(
         softcap: if set, ``logits = softcap * tanh(logits / softcap)`` before the temperature (Gemma-2 style).
         return_entropy: also return ``-sum p log p`` of the tempered distribution.
         chunk_size: rows per chunk; None picks it so one chunk's float32 logits take about 256 MiB.
+        ignore_index: target value of rows to skip.
+        backend: per-chunk statistics by ``"triton"`` kernels, ``"torch"``, or ``"auto"`` (Triton on CUDA, or on
+            CPU under ``TRITON_INTERPRET=1``).
     Returns:
         float32 log-probs shaped like ``targets`` (always <= 0), or ``(logps, entropy)`` when ``return_entropy``.
         Differentiable w.r.t. ``hidden``, ``weight`` and ``bias`` (through the entropy too).
@@ -167,6 +169,7 @@ def linear_logps(
         raise ValueError(f"hidden has {hidden_2d.shape[0]} rows but targets has {flat_targets.shape[0]}")
     if weight.dim() != 2 or weight.shape[1] != hidden_2d.shape[1]:
         raise ValueError(f"weight must be (V, {hidden_2d.shape[1]}), got {tuple(weight.shape)}")
+    resolve_backend(backend, hidden, weight)  # fail early on an impossible forced backend
     compute_dtype = torch.promote_types(hidden_2d.dtype, weight.dtype)
     if bias is not None:
         compute_dtype = torch.promote_types(compute_dtype, bias.dtype)
@@ -192,7 +195,15 @@ def linear_logps(
         outs = (logps, logps.clone()) if return_entropy else (logps,)
     else:
         result = LinearLogpsFunction.apply(
-            hidden_2d, weight, bias, flat_targets.long(), float(temperature), softcap, return_entropy, chunk_size
+            hidden_2d,
+            weight,
+            bias,
+            flat_targets.long(),
+            float(temperature),
+            softcap,
+            return_entropy,
+            chunk_size,
+            backend,
         )
         outs = result if return_entropy else (result,)
 

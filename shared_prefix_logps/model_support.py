@@ -25,6 +25,9 @@ from .context import CaptureContext, SharedContext, active_context
 #: reproduces; each is covered by the test suite.
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3"})
 
+#: Rows of completion tokens per chunk of the fused head; None lets the head size chunks from its memory budget.
+HEAD_CHUNK_ROWS: int | None = None
+
 # Model classes whose head passed the first-use check.
 _VERIFIED_HEAD_CLASSES: set[type] = set()
 
@@ -203,6 +206,7 @@ def _lm_head_proxy_forward(self, hidden_states, *args, **kwargs):
         temperature=context.temperature,
         softcap=spec.softcap,
         return_entropy=context.return_entropy,
+        chunk_size=HEAD_CHUNK_ROWS,
     )
     if context.return_entropy:
         context.logps, context.entropy = result

@@ -16,16 +16,20 @@ def dense_logps(
     prepared: PreparedModel, batch: GroupedBatch, *, temperature: float, return_entropy: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(rows, C) float32 log-probs (and entropy) of the completion tokens, masked positions set to 0."""
-    prompt_len = batch.prompt_ids.shape[1]
     completion_len = batch.completion_ids.shape[1]
     input_ids = torch.cat([batch.prompt_ids[batch.group_index], batch.completion_ids], dim=1)
     attention_mask = torch.cat([batch.prompt_mask[batch.group_index], batch.completion_mask], dim=1)
     # Positions count real tokens only, as in the shared path (with left padding, arange would shift them).
     position_ids = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+    # As trainers do: logits only for the last C + 1 positions, the last of which predicts nothing.
     logits = prepared.outer(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+        logits_to_keep=completion_len + 1,
     ).logits
-    logits = logits[:, prompt_len - 1 : prompt_len + completion_len - 1].float() / temperature
+    logits = logits[:, :-1].float() / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
     logps = log_probs.gather(-1, batch.completion_ids.unsqueeze(-1)).squeeze(-1)
     logps = logps.masked_fill(~batch.completion_mask, 0.0)

@@ -1,0 +1,64 @@
+"""Peak memory of a piece of work: CUDA's allocator statistics, or on CPU a count of live tensor bytes."""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Tracks bytes of tensor storages allocated inside the mode and still alive; ``peak`` is the maximum.
+
+    Storages that existed before (parameters, inputs) are not counted, views and in-place results add nothing.
+    Used on CPU, where no allocator keeps statistics; slows the work down, so time it separately.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                self._count(t.untyped_storage())
+        return out
+
+    def _count(self, storage) -> None:
+        key = storage.data_ptr()
+        if key == 0 or key in self._seen:
+            return
+        nbytes = storage.nbytes()
+        self._seen.add(key)
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(storage, self._release, key, nbytes)
+
+    def _release(self, key: int, nbytes: int) -> None:
+        if key in self._seen:
+            self._seen.discard(key)
+            self.live -= nbytes
+
+
+@contextlib.contextmanager
+def peak_memory(device: torch.device):
+    """Yields a dict whose ``"peak_bytes"`` holds, after the block, the peak bytes allocated inside it."""
+    result = {"peak_bytes": 0}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        yield result
+        torch.cuda.synchronize(device)
+        result["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
+    else:
+        tracker = LiveTensorBytes()
+        with tracker:
+            yield result
+        result["peak_bytes"] = tracker.peak

@@ -15,21 +15,25 @@ for the loss value and its gradient, whatever the split (rows of a batch never i
 ratios, clipping, KL, sequence means and VESPO's weights are all per row).
 
 Global-normalized variants (``S`` = sum over the local micro-batch, ``N_tok`` = ``num_items_in_batch``,
-``N_seq`` = ``num_sequences_in_batch``, ``L`` = ``max_completion_length``, ``l_i`` = valid tokens of row ``i``):
+``N_seq`` = ``num_sequences_in_batch``, ``L`` = ``max_completion_length``, ``l_i`` = valid tokens of row ``i``,
+``B`` = rows of the micro-batch, ``GA`` = accumulation steps, ``W`` = processes, ``SPG`` = steps_per_generation):
 
-==========================  ==============================================  =========================================
-loss type                   this module (per micro-batch)                   TRL 1.16 on one un-split batch
-==========================  ==============================================  =========================================
-dapo, cispo, vespo          ``S_i,t loss_it / N_tok``                       same (TRL already uses a global count)
-bnpo                        ``S_i,t loss_it / N_tok``  (= dapo)             token mean of the micro-batch / GA
-grpo, sapo                  ``S_i (S_t loss_it / l_i) / N_seq``             mean_i (S_t loss_it / l_i) / GA
-dr_grpo                     ``S_i,t loss_it / (N_seq * L)``                 ``S_i,t loss_it / (B * L)`` / GA
-luspo                       ``S_i,t loss_it / N_seq``                       mean_i (S_t loss_it) / GA
-==========================  ==============================================  =========================================
+=================  ==================================  ===============================================================
+loss type          this module (per micro-batch)       TRL 1.16 ``_compute_loss`` (per micro-batch)
+=================  ==================================  ===============================================================
+dapo/cispo/vespo   ``S_i,t loss_it / N_tok``           ``S_i,t loss_it / (N_gen / W * GA / SPG)``, ``N_gen`` = tokens
+                                                       of the generation batch: global already when ``SPG == GA``
+bnpo               ``S_i,t loss_it / N_tok`` (= dapo)  ``S_i,t loss_it / (tokens of the micro-batch) / GA``
+grpo, sapo         ``S_i (S_t loss_it / l_i) / N_seq`` ``mean_i (S_t loss_it / l_i) / GA``
+dr_grpo            ``S_i,t loss_it / (N_seq * L)``     ``S_i,t loss_it / (B * L) / GA``
+luspo              ``S_i,t loss_it / N_seq``           ``mean_i (S_t loss_it) / GA``
+=================  ==================================  ===============================================================
 
 On one un-split batch (GA = 1, one process, counts = that batch's counts) both columns are equal; ``trl_grpo_loss``
-transcribes TRL's own formula, including its per-micro-batch normalizers, so tests can check that. ``bnpo`` differs
-from ``dapo`` in TRL only by being normalized per micro-batch; made global, it *is* ``dapo``.
+transcribes TRL's own formula, including its per-micro-batch normalizers, so tests can check that, and
+``trl_micro_batch_counts`` gives the counts under which ``grpo_loss`` reproduces TRL's loss of one micro-batch
+exactly (e.g. to split that micro-batch into chunks). ``bnpo`` differs from ``dapo`` in TRL only by being normalized
+per micro-batch; made global, it *is* ``dapo``.
 
 Distributed data parallel (DDP, FSDP, DeepSpeed) *averages* gradients over processes. Pass ``num_processes`` = the
 world size and the loss is multiplied by it, so that the averaged gradient is the gradient of the global loss (TRL
@@ -53,6 +57,7 @@ __all__ = [
     "grpo_loss",
     "high_entropy_mask",
     "trl_grpo_loss",
+    "trl_micro_batch_counts",
 ]
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
@@ -498,6 +503,57 @@ def grpo_loss(
 # ---------------------------------------------------------------------------------------------------------------------
 # TRL 1.16 reference
 # ---------------------------------------------------------------------------------------------------------------------
+
+
+def trl_micro_batch_counts(
+    completion_mask: torch.Tensor,
+    *,
+    loss_type: str,
+    num_items_in_batch: Count,
+    current_gradient_accumulation_steps: int = 1,
+    steps_per_generation: int = 1,
+    num_processes: int = 1,
+    entropy_mask: torch.Tensor | None = None,
+    training: bool = True,
+) -> dict:
+    """Counts that make ``grpo_loss`` reproduce TRL 1.16's loss for one of its micro-batches, chunk by chunk.
+
+    TRL normalizes per micro-batch (see the module docstring). To split one TRL micro-batch into row chunks (a
+    chunked backward) and still get exactly TRL's micro-batch loss as the sum of the chunk losses, pass the returned
+    dict to ``grpo_loss`` for every chunk (together with the chunk's own tensors). The per-rank loss already carries
+    TRL's ``num_processes`` factor, so the returned ``num_processes`` is 1.
+
+    Args:
+        completion_mask: ``(B, C)`` loss mask of the whole TRL micro-batch (``completion_mask * tool_mask``).
+        loss_type: TRL ``loss_type``.
+        num_items_in_batch: TRL's ``inputs["num_items_in_batch"]`` (valid tokens of the generation batch, all ranks).
+        current_gradient_accumulation_steps, steps_per_generation, num_processes: the trainer's values.
+        entropy_mask: the micro-batch's high-entropy mask when ``top_entropy_quantile < 1`` (for the entropy bonus).
+        training: False for evaluation (TRL divides by neither GA nor ``steps_per_generation`` then).
+
+    Returns:
+        dict with ``num_items_in_batch``, ``num_sequences_in_batch``, ``num_entropy_items_in_batch`` and
+        ``num_processes`` (keyword arguments of ``grpo_loss``).
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
+    ga = current_gradient_accumulation_steps if training else 1
+    valid = completion_mask != 0
+    local_tokens = valid.sum()
+    if loss_type == "bnpo":
+        n_tok = local_tokens * ga
+    else:  # dapo/cispo/vespo; unused by the others
+        n_tok = torch.as_tensor(num_items_in_batch).double().clamp(min=1.0) / num_processes
+        if training:
+            n_tok = n_tok * current_gradient_accumulation_steps / steps_per_generation
+    eff = valid if entropy_mask is None else valid & entropy_mask.bool()
+    return {
+        "num_items_in_batch": n_tok,
+        "num_sequences_in_batch": completion_mask.size(0) * ga,
+        # TRL's bonus: mean entropy of the micro-batch's (effective) tokens / GA, whatever the loss type
+        "num_entropy_items_in_batch": eff.sum().clamp(min=1) * ga,
+        "num_processes": 1,
+    }
 
 
 def trl_grpo_loss(

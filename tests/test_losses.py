@@ -29,6 +29,7 @@ from shared_prefix_logps.losses import (
     grpo_loss,
     high_entropy_mask,
     trl_grpo_loss,
+    trl_micro_batch_counts,
 )
 
 TOL = {"atol": 1e-10, "rtol": 1e-10}
@@ -312,6 +313,34 @@ def test_trl_microbatching_is_split_dependent_where_expected(loss_type):
         torch.testing.assert_close(got, want, **TOL)
     else:
         assert not torch.allclose(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("cfg_name", ["plain", "kl_delta_vllm", "entropy"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_chunks_reproduce_one_trl_micro_batch(loss_type, cfg_name):
+    """A chunked backward inside one TRL micro-batch (GA=2, steps_per_generation=4) gives TRL's own loss back."""
+    cfg = CONFIGS[cfg_name]
+    batch = make_batch(seed=5)
+    n_gen = torch.tensor(4 * 37)  # TRL's num_items_in_batch: tokens of the whole generation batch
+    want, _ = trl_compute_loss(loss_type, cfg, batch, ga=2, steps_per_generation=4, num_items_in_batch=n_gen)
+    q = cfg.get("top_entropy_quantile", 1.0)
+    emask = high_entropy_mask(batch["entropies"], batch["completion_mask"], q) if q < 1.0 else None
+    counts = trl_micro_batch_counts(
+        batch["completion_mask"],
+        loss_type=loss_type,
+        num_items_in_batch=n_gen,
+        current_gradient_accumulation_steps=2,
+        steps_per_generation=4,
+        entropy_mask=emask,
+    )
+    total, start = 0.0, 0
+    for part in _split(batch, [3, 5]):
+        n = part["completion_mask"].size(0)
+        part_emask = None if emask is None else emask[start : start + n, : part["completion_mask"].size(1)]
+        start += n
+        total = total + grpo_loss(*_positional(part), **_loss_kwargs(loss_type, cfg, part, part_emask), **counts).loss
+    torch.testing.assert_close(total, want, **TOL)
+    _assert_grads_close(_grads(total, batch), _grads(want, batch))
 
 
 def test_test_data_exercises_clipping_kl_and_entropy_mask():

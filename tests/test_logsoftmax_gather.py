@@ -265,3 +265,25 @@ def test_cuda_triton_matches_float64(dtype, monkeypatch):
     ulp = 2.0**-8 if dtype == torch.bfloat16 else 1e-6
     excess = (grad.double() - grad_ref).abs() - (ulp * grad_ref.abs() + 1e-6 * grad_ref.abs().max())
     assert excess.max().item() <= 0
+
+
+@pytest.mark.skipif(not TRITON_OK, reason="Triton not importable or not interpreting")
+@pytest.mark.parametrize("block", [64, 128])
+def test_triton_online_rescaling_over_many_blocks(block, monkeypatch):
+    # The interpreter normally covers a row with one block; force 8-16 blocks so the running max, sum and entropy
+    # are rescaled as the max moves, including rows whose first blocks are entirely -inf.
+    monkeypatch.setattr(_backend._triton_impl, "BLOCK_V_OVERRIDE", block)
+    gen = torch.Generator().manual_seed(23)
+    n, v = 9, 1013
+    logits = torch.randn(n, v, generator=gen) * 4
+    logits[0] = torch.linspace(-50, 50, v)  # the max moves in every block
+    logits[1] = torch.linspace(50, -50, v)  # the max is in the first block
+    logits[2, : 3 * block] = float("-inf")  # first blocks contribute nothing; frame stays 0 until a finite logit
+    logits[3] = torch.randn(v, generator=gen) * 1e4  # extreme, max anywhere
+    logits[4, -1] = 1e4  # max in the last, partial block
+    targets = torch.randint(3 * block, v, (n,), generator=gen)
+    targets[5] = -100
+    res = check_against_reference(logits, targets, "triton", temperature=0.7)
+    assert torch.allclose(res["logps"][0].double(), res["logps"][1], rtol=1e-6, atol=1e-5), max_err(res["logps"])
+    assert max_err(res["entropy"]) < 1e-5
+    assert max_err(res["grad"]) <= 1e-4 * res["grad"][1].abs().max().item()

@@ -42,8 +42,8 @@ def logsoftmax_gather_forward_torch(
     log_norm = torch.logsumexp(d, dim=-1)
     safe_targets = torch.where(valid, targets, torch.zeros_like(targets))
     logp_target = d.gather(1, safe_targets[:, None]).squeeze(1) - log_norm
-    # Rounding can push a log-prob a hair above 0 when one token holds all the mass; a positive log-prob is never
-    # meaningful and has wrecked RL runs elsewhere (verl#2656), so clamp.
+    # Non-positive as computed (gathered d <= 0 and logsumexp(d) >= 0), but a positive log-prob has wrecked RL runs
+    # elsewhere (verl#2656), so the guarantee does not rest on an argument about rounding: clamp.
     logps = torch.where(valid, logp_target.clamp_max(0.0), zeros)
     norm = torch.stack([torch.where(valid, frame, zeros), torch.where(valid, log_norm, zeros)])
     entropy = None

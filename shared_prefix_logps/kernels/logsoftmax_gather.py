@@ -67,7 +67,8 @@ def _logsoftmax_gather_fwd_kernel(
     in_range = (target >= 0) & (target < n_cols)
     safe_target = tl.where(valid & in_range, target, 0)
     x_target = tl.load(row_ptr + safe_target).to(tl.float32)
-    # Never positive: rounding can leave the target a hair above the normaliser when it holds all the mass.
+    # Cannot be positive as computed (x_target <= frame and s >= 1: the max contributes exp(0) = 1 exactly), but the
+    # guarantee matters too much to rest on an argument about rounding (verl#2656), so clamp anyway.
     logp = tl.minimum((x_target - frame) * inv_temperature - log_s, 0.0)
     # An out-of-range id is a caller bug: make it loud (nan) instead of reading another row's memory.
     logp = tl.where(in_range, logp, float("nan"))
@@ -132,8 +133,14 @@ _fwd_kernel = LazyKernel(_logsoftmax_gather_fwd_kernel)
 _bwd_kernel = LazyKernel(_logsoftmax_gather_bwd_kernel)
 
 
+# Tests set this to force several vocabulary blocks per row (the online rescaling) under the interpreter.
+BLOCK_V_OVERRIDE: int | None = None
+
+
 def _launch_config(n_cols: int) -> tuple[int, int]:
     """(BLOCK_V, num_warps). The interpreter's cost is per block iteration, so it gets one big block."""
+    if BLOCK_V_OVERRIDE is not None:
+        return BLOCK_V_OVERRIDE, 4
     if interpret_enabled():
         return min(next_power_of_2(n_cols), 1 << 17), 4
     block = min(next_power_of_2(n_cols), 8192)

@@ -6,12 +6,14 @@ hidden states and weight.
 
 Dtypes: each chunk's logits come from ``hidden @ weight.T (+ bias)`` in the inputs' common dtype (the matmul
 output dtype follows the inputs, so bf16 inputs give bf16 logits, rounded exactly as the model's own lm_head would
-round them); softcap, temperature and every softmax statistic are then computed in float32. Gradients are
-accumulated across chunks in float32 and cast back to the input dtypes at the end.
+round them); under ``torch.autocast`` the matmul runs in the autocast dtype, as an ``nn.Linear`` lm_head would.
+Softcap, temperature and every softmax statistic are then computed in float32. Gradients are accumulated across
+chunks in float32 and cast back to the input dtypes at the end.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -32,9 +34,13 @@ def default_chunk_size(num_rows: int, vocab_size: int, budget_bytes: int = DEFAU
 
 
 def _chunk_logits(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, softcap: float | None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    softcap: float | None,
+    keep_tanh: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Logits (rows, V) of one chunk; with softcap also tanh(x / softcap), which backward's chain rule needs.
+    """Logits (rows, V) of one chunk; with softcap and ``keep_tanh`` also tanh(x / softcap) for backward's chain rule.
 
     Without softcap the logits stay in the matmul dtype (the statistics upcast internally); with softcap they are
     float32 so tanh does not round a second time.
@@ -43,7 +49,48 @@ def _chunk_logits(
     if softcap is None:
         return logits, None
     tanh = logits.float().div_(softcap).tanh_()
+    if not keep_tanh:
+        return tanh.mul_(softcap), None
     return tanh * softcap, tanh
+
+
+_AUTOCAST_DEVICES = ("cuda", "cpu", "xpu")
+
+
+def _no_autocast(device: torch.device):
+    if device.type in _AUTOCAST_DEVICES:
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
+_FP32_OUT_ADDMM_OK: bool | None = None  # whether torch.addmm(..., out_dtype=float32) works here; probed once
+
+
+def _fp32_out_addmm_ok(device: torch.device) -> bool:
+    """Probe (once) that half-precision addmm can write a float32 accumulator directly (CUDA only in torch 2.13)."""
+    global _FP32_OUT_ADDMM_OK
+    if _FP32_OUT_ADDMM_OK is None:
+        try:
+            a = torch.randn(8, 16, device=device).bfloat16()
+            b = torch.randn(16, 8, device=device).bfloat16()
+            acc = torch.randn(8, 8, device=device)
+            expected = acc + a.float() @ b.float()
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            _FP32_OUT_ADDMM_OK = bool(torch.allclose(acc, expected, rtol=1e-4, atol=1e-4))
+        except (RuntimeError, TypeError, NotImplementedError):
+            _FP32_OUT_ADDMM_OK = False
+    return _FP32_OUT_ADDMM_OK
+
+
+def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with a float32 ``acc``; ``a`` and ``b`` in the compute dtype."""
+    if a.dtype == torch.float32:
+        acc.addmm_(a, b)
+    elif acc.is_cuda and _fp32_out_addmm_ok(acc.device):
+        # Accumulates straight into float32: no (V, H) half-precision temporary per chunk.
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc.add_(a @ b)
 
 
 class LinearLogpsFunction(torch.autograd.Function):
@@ -58,7 +105,7 @@ class LinearLogpsFunction(torch.autograd.Function):
         entropy = torch.empty_like(logps) if return_entropy else None
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            logits, _ = _chunk_logits(hidden[start:end], weight, bias, softcap)
+            logits, _ = _chunk_logits(hidden[start:end], weight, bias, softcap, keep_tanh=False)
             lp, nm, ent = stats_forward(logits, targets[start:end], inv_t, _NO_IGNORE, return_entropy, backend)
             logps[start:end] = lp
             norm[:, start:end] = nm
@@ -77,12 +124,18 @@ class LinearLogpsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
+        hidden = ctx.saved_tensors[0]
+        with _no_autocast(hidden.device):
+            return LinearLogpsFunction._backward(ctx, *grads)
+
+    @staticmethod
+    def _backward(ctx, *grads):
         hidden, weight, bias, targets, norm, entropy = ctx.saved_tensors
         grad_logps = grads[0]
         grad_entropy = grads[1] if ctx.return_entropy else None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n = hidden.shape[0]
-        grad_hidden = torch.empty_like(hidden) if need_h else None
+        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         if grad_logps is None and grad_entropy is None:
@@ -90,7 +143,7 @@ class LinearLogpsFunction(torch.autograd.Function):
         for start in range(0, n, ctx.chunk_size):
             end = min(start + ctx.chunk_size, n)
             h = hidden[start:end]
-            logits, tanh = _chunk_logits(h, weight, bias, ctx.softcap)
+            logits, tanh = _chunk_logits(h, weight, bias, ctx.softcap, keep_tanh=True)
             # The chunk's logits are recomputed scratch, so d logits may overwrite them (inplace=True).
             d_logits = stats_backward(
                 logits,
@@ -110,12 +163,9 @@ class LinearLogpsFunction(torch.autograd.Function):
             del logits
             d_mm = d_logits.to(h.dtype)
             if need_h:
-                grad_hidden[start:end] = d_mm @ weight
+                torch.mm(d_mm, weight, out=grad_hidden[start:end])
             if need_w:
-                if d_mm.dtype == torch.float32:
-                    grad_weight.addmm_(d_mm.t(), h)
-                else:
-                    grad_weight.add_(d_mm.t() @ h)
+                _accumulate_mm(grad_weight, d_mm.t(), h)
             if need_b:
                 grad_bias.add_(d_logits.float().sum(0))
             del d_logits, d_mm
@@ -170,12 +220,6 @@ def linear_logps(
     if weight.dim() != 2 or weight.shape[1] != hidden_2d.shape[1]:
         raise ValueError(f"weight must be (V, {hidden_2d.shape[1]}), got {tuple(weight.shape)}")
     resolve_backend(backend, hidden, weight)  # fail early on an impossible forced backend
-    compute_dtype = torch.promote_types(hidden_2d.dtype, weight.dtype)
-    if bias is not None:
-        compute_dtype = torch.promote_types(compute_dtype, bias.dtype)
-        bias = bias.to(compute_dtype)
-    hidden_2d = hidden_2d.to(compute_dtype)
-    weight = weight.to(compute_dtype)
 
     n = flat_targets.shape[0]
     keep = (flat_targets != ignore_index).nonzero().squeeze(1)
@@ -183,6 +227,18 @@ def linear_logps(
     if compact:
         hidden_2d = hidden_2d.index_select(0, keep)
         flat_targets = flat_targets.index_select(0, keep)
+
+    device_type = hidden.device.type
+    if device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
+        # What the model's own lm_head (an nn.Linear) would compute under autocast.
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        compute_dtype = torch.promote_types(hidden_2d.dtype, weight.dtype)
+        if bias is not None:
+            compute_dtype = torch.promote_types(compute_dtype, bias.dtype)
+    hidden_2d = hidden_2d.to(compute_dtype)
+    weight = weight.to(compute_dtype)
+    bias = bias.to(compute_dtype) if bias is not None else None
     rows = hidden_2d.shape[0]
     if chunk_size is None:
         chunk_size = default_chunk_size(rows, weight.shape[0])
@@ -194,17 +250,18 @@ def linear_logps(
         logps = zero.expand(0)
         outs = (logps, logps.clone()) if return_entropy else (logps,)
     else:
-        result = LinearLogpsFunction.apply(
-            hidden_2d,
-            weight,
-            bias,
-            flat_targets.long(),
-            float(temperature),
-            softcap,
-            return_entropy,
-            chunk_size,
-            backend,
-        )
+        with _no_autocast(hidden.device):  # dtypes were fixed above; forward and backward must agree on them
+            result = LinearLogpsFunction.apply(
+                hidden_2d,
+                weight,
+                bias,
+                flat_targets.long(),
+                float(temperature),
+                softcap,
+                return_entropy,
+                chunk_size,
+                backend,
+            )
         outs = result if return_entropy else (result,)
 
     if compact:

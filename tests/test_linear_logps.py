@@ -310,6 +310,29 @@ def test_leading_dims_and_partial_requires_grad(backend):
     assert w.grad is not None and w.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_autocast_computes_like_the_models_lm_head(backend):
+    hidden, weight, bias, targets = make_inputs(37, 257, 16, seed=59)
+    as_bf16 = run(
+        lambda hd, w, b: linear_logps(hd, w, targets, bias=b, return_entropy=True, backend=backend),
+        hidden,
+        weight,
+        bias,
+        targets,
+        torch.bfloat16,
+    )
+
+    def under_autocast(hd, w, b):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return linear_logps(hd, w, targets, bias=b, return_entropy=True, backend=backend)
+
+    got = run(under_autocast, hidden, weight, bias, targets, torch.float32)
+    assert torch.equal(got["logps"], as_bf16["logps"]) and torch.equal(got["entropy"], as_bf16["entropy"])
+    for key in ("d_hidden", "d_weight", "d_bias"):
+        assert got[key].dtype == torch.float32  # gradients reach the float32 leaves in their dtype
+        assert torch.equal(got[key].bfloat16(), as_bf16[key]), key
+
+
 def test_default_chunk_size_follows_the_memory_budget():
     assert default_chunk_size(10**6, 151936) == (256 * 2**20) // (4 * 151936)
     assert default_chunk_size(10**6, 10**9) == 1

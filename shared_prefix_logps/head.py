@@ -63,30 +63,31 @@ def _no_autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
-_FP32_OUT_ADDMM_OK: bool | None = None  # whether torch.addmm(..., out_dtype=float32) works here; probed once
+# Whether torch.addmm(..., out_dtype=float32) works for a given (device type, input dtype); probed once each.
+_FP32_OUT_ADDMM_OK: dict[tuple[str, torch.dtype], bool] = {}
 
 
-def _fp32_out_addmm_ok(device: torch.device) -> bool:
+def _fp32_out_addmm_ok(device: torch.device, dtype: torch.dtype) -> bool:
     """Probe (once) that half-precision addmm can write a float32 accumulator directly (CUDA only in torch 2.13)."""
-    global _FP32_OUT_ADDMM_OK
-    if _FP32_OUT_ADDMM_OK is None:
+    key = (device.type, dtype)
+    if key not in _FP32_OUT_ADDMM_OK:
         try:
-            a = torch.randn(8, 16, device=device).bfloat16()
-            b = torch.randn(16, 8, device=device).bfloat16()
+            a = torch.randn(8, 16, device=device).to(dtype)
+            b = torch.randn(16, 8, device=device).to(dtype)
             acc = torch.randn(8, 8, device=device)
             expected = acc + a.float() @ b.float()
             torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            _FP32_OUT_ADDMM_OK = bool(torch.allclose(acc, expected, rtol=1e-4, atol=1e-4))
+            _FP32_OUT_ADDMM_OK[key] = bool(torch.allclose(acc, expected, rtol=1e-3, atol=1e-3))
         except (RuntimeError, TypeError, NotImplementedError):
-            _FP32_OUT_ADDMM_OK = False
-    return _FP32_OUT_ADDMM_OK
+            _FP32_OUT_ADDMM_OK[key] = False
+    return _FP32_OUT_ADDMM_OK[key]
 
 
 def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` with a float32 ``acc``; ``a`` and ``b`` in the compute dtype."""
     if a.dtype == torch.float32:
         acc.addmm_(a, b)
-    elif acc.is_cuda and _fp32_out_addmm_ok(acc.device):
+    elif acc.is_cuda and _fp32_out_addmm_ok(acc.device, a.dtype):
         # Accumulates straight into float32: no (V, H) half-precision temporary per chunk.
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
     else:
@@ -123,6 +124,7 @@ class LinearLogpsFunction(torch.autograd.Function):
         return logps
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         hidden = ctx.saved_tensors[0]
         with _no_autocast(hidden.device):

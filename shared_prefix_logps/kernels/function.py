@@ -27,6 +27,7 @@ class LogsoftmaxGatherFunction(torch.autograd.Function):
         return logps
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         logits, targets, norm, entropy = ctx.saved_tensors
         grad_logps = grads[0]
@@ -68,7 +69,7 @@ def logsoftmax_gather(
         temperature: divides the logits before the softmax.
         return_entropy: also return the entropy ``-sum p log p`` of the tempered distribution.
         inplace_backward: let backward write d logits over the logits buffer (saves a (N, V) allocation); only
-            safe when nothing else needs those logits after this call.
+            safe when nothing else needs those logits after this call, and backward runs once (no retain_graph).
         backend: ``"auto"`` (Triton on CUDA, or on CPU under ``TRITON_INTERPRET=1``; torch otherwise), ``"triton"``
             or ``"torch"``.
     Returns:

@@ -1,8 +1,15 @@
 """shared-prefix-logps: per-token log-probs of G completions per prompt, each prompt forwarded once."""
 
 from .api import compute_logps, compute_logps_concatenated
+from .chunked import chunked_backward
 from .model_support import UnsupportedModelError
 from .output import LogpsOutput
 
-__all__ = ["LogpsOutput", "UnsupportedModelError", "compute_logps", "compute_logps_concatenated"]
+__all__ = [
+    "LogpsOutput",
+    "UnsupportedModelError",
+    "chunked_backward",
+    "compute_logps",
+    "compute_logps_concatenated",
+]
 __version__ = "0.1.0"

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
+from .chunking import DEFAULT_TOKEN_BUDGET, plan_prompt_chunks, plan_row_chunks
 from .dense import dense_logps
-from .inputs import GroupedBatch, group_batch, split_concatenated
+from .flex import flex_available
+from .inputs import GroupedBatch, check_options, group_batch, split_concatenated
 from .model_support import PreparedModel, prepare_model
-from .output import LogpsOutput
+from .output import LogpsOutput, scatter_valid, write_rows
 from .phases import capture_prefix, score_completions
 
 #: Backends of the completion attention. ``auto`` picks the best one available on the model's device.
-BACKENDS = ("auto", "expand", "dense")
+BACKENDS = ("auto", "expand", "flex", "dense")
 
 
 def compute_logps(
@@ -27,6 +27,7 @@ def compute_logps(
     temperature: float = 1.0,
     return_entropy: bool = False,
     backend: str = "auto",
+    token_budget: int | None = None,
 ) -> LogpsOutput:
     """Per-token log-probs of G completions per prompt, each prompt forwarded once.
 
@@ -43,8 +44,12 @@ def compute_logps(
         completion_mask: (B*G, C) bool/0-1, True on real tokens; None means no padding (tensor input only).
         temperature: logits are divided by it before the log-softmax.
         return_entropy: also return each position's entropy.
-        backend: ``"auto"`` (currently ``"expand"``), ``"expand"`` (each row gathers its prefix keys/values) or
-            ``"dense"`` (the conventional full-row forward, for reference).
+        backend: ``"auto"`` (``"flex"`` on CUDA, ``"expand"`` elsewhere), ``"expand"`` (each row gathers its
+            prefix keys/values; SDPA), ``"flex"`` (packed, no padding, one flex_attention call per layer; backward
+            on CUDA only) or ``"dense"`` (the conventional full-row forward, for reference).
+        token_budget: under ``torch.no_grad()``, the most tokens forwarded at once (prompts per Phase 1 chunk,
+            completion rows per Phase 2 chunk; with ``expand`` a row counts its prefix too). Default
+            ``DEFAULT_TOKEN_BUDGET``. Ignored when gradients are enabled.
 
     Returns:
         :class:`LogpsOutput` with ``logps`` (B*G, C) float32 (0 where masked), ``entropy`` or None, and ``mask``.
@@ -53,7 +58,7 @@ def compute_logps(
         TypeError / ValueError: naming the offending argument, for malformed or inconsistent inputs.
         UnsupportedModelError: for models the shared path cannot serve.
     """
-    _check_options(temperature, backend)
+    check_options(temperature, backend, token_budget)
     prepared = prepare_model(model)
     batch = group_batch(
         prompts,
@@ -64,7 +69,14 @@ def compute_logps(
         input_vocab_size=prepared.input_vocab_size,
         output_vocab_size=prepared.output_vocab_size,
     )
-    return run_batch(prepared, batch, temperature=temperature, return_entropy=return_entropy, backend=backend)
+    return run_batch(
+        prepared,
+        batch,
+        temperature=temperature,
+        return_entropy=return_entropy,
+        backend=backend,
+        token_budget=token_budget,
+    )
 
 
 def compute_logps_concatenated(
@@ -76,6 +88,7 @@ def compute_logps_concatenated(
     temperature: float = 1.0,
     return_entropy: bool = False,
     backend: str = "auto",
+    token_budget: int | None = None,
 ) -> LogpsOutput:
     """The trainer-shaped entry: rows ``[left-padded prompt | right-padded completion]`` as TRL builds them.
 
@@ -87,12 +100,12 @@ def compute_logps_concatenated(
         attention_mask: (N, L) bool/0-1; its first ``L - logits_to_keep`` columns are the left-padded prompt mask,
             the last ``logits_to_keep`` the right-padded completion mask.
         logits_to_keep: completion length C.
-        temperature, return_entropy, backend: as for :func:`compute_logps`.
+        temperature, return_entropy, backend, token_budget: as for :func:`compute_logps`.
 
     Returns:
         :class:`LogpsOutput` with (N, C) tensors, row i for ``input_ids[i]``.
     """
-    _check_options(temperature, backend)
+    check_options(temperature, backend, token_budget)
     prepared = prepare_model(model)
     batch = split_concatenated(
         input_ids,
@@ -102,45 +115,80 @@ def compute_logps_concatenated(
         input_vocab_size=prepared.input_vocab_size,
         output_vocab_size=prepared.output_vocab_size,
     )
-    return run_batch(prepared, batch, temperature=temperature, return_entropy=return_entropy, backend=backend)
+    return run_batch(
+        prepared,
+        batch,
+        temperature=temperature,
+        return_entropy=return_entropy,
+        backend=backend,
+        token_budget=token_budget,
+    )
 
 
-def _check_options(temperature, backend) -> None:
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be positive and finite, got {temperature}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The concrete backend for ``backend`` on ``device`` with the current grad mode.
+
+    ``auto`` is ``flex`` on CUDA and ``expand`` elsewhere. ``flex`` needs flex_attention's backward, which torch has
+    on CUDA only, when gradients are enabled.
+    """
+    if backend == "auto":
+        return "flex" if device.type == "cuda" and flex_available(device) else "expand"
+    if backend == "flex":
+        if not flex_available(device):
+            raise ValueError(f"backend='flex' needs torch's flex_attention on {device.type}")
+        if torch.is_grad_enabled() and device.type != "cuda":
+            raise ValueError(
+                "backend='flex' has no backward on CPU (torch's flex_attention); use backend='expand', or call "
+                "under torch.no_grad() for scoring"
+            )
+    return backend
 
 
 def run_batch(
-    prepared: PreparedModel, batch: GroupedBatch, *, temperature: float, return_entropy: bool, backend: str
+    prepared: PreparedModel,
+    batch: GroupedBatch,
+    *,
+    temperature: float,
+    return_entropy: bool,
+    backend: str,
+    token_budget: int | None = None,
 ) -> LogpsOutput:
-    """Log-probs of a validated batch with the chosen backend, padded back to the batch's completion length."""
+    """Log-probs of a validated batch with the chosen backend, as (rows, C) tensors of the batch's C.
+
+    Without gradients the work is split into prompt chunks (Phase 1) and completion chunks (Phase 2) of at most
+    ``token_budget`` tokens each, so peak memory does not grow with the number of prompts or with G. With
+    gradients everything runs as one graph (see :func:`~shared_prefix_logps.chunked_backward` for bounded memory).
+    """
+    backend = resolve_backend(backend, prepared.device)
+    temperature = float(temperature)
     rows, length = batch.completion_ids.shape
-    trimmed = batch.trimmed()
-    kept = trimmed.completion_ids.shape[1]
-    if kept == 0:
-        zeros = torch.zeros(rows, length, device=batch.completion_ids.device)
-        return LogpsOutput(zeros, zeros.clone() if return_entropy else None, batch.completion_mask)
+    logps = torch.zeros(rows, length, device=batch.completion_ids.device)
+    entropy = torch.zeros_like(logps) if return_entropy else None
+    if not batch.completion_mask.any():
+        return LogpsOutput(logps, entropy, batch.completion_mask)
     if backend == "dense":
-        logps, entropy = dense_logps(prepared, trimmed, temperature=float(temperature), return_entropy=return_entropy)
-    else:
-        capture = capture_prefix(prepared, trimmed)
-        scored = score_completions(
-            prepared, trimmed, capture, temperature=float(temperature), return_entropy=return_entropy
-        )
-        logps = _scatter_valid(scored.logps, trimmed.completion_mask)
-        entropy = _scatter_valid(scored.entropy, trimmed.completion_mask) if return_entropy else None
-    if kept < length:
-        pad = (0, length - kept)
-        logps = torch.nn.functional.pad(logps, pad)
-        entropy = None if entropy is None else torch.nn.functional.pad(entropy, pad)
+        part = batch.select_rows(torch.arange(rows, device=logps.device))
+        values = dense_logps(prepared, part, temperature=temperature, return_entropy=return_entropy)
+        write_rows(logps, entropy, torch.arange(rows, device=logps.device), values)
+        return LogpsOutput(logps, entropy, batch.completion_mask)
+    packed = backend == "flex"
+    budget = None if torch.is_grad_enabled() else (token_budget or DEFAULT_TOKEN_BUDGET)
+    for prompt_indices in plan_prompt_chunks(batch.prompt_mask, budget):
+        sub, sub_rows = batch.select_prompts(prompt_indices)
+        capture = capture_prefix(prepared, sub.prompt_ids, sub.prompt_mask, packed=packed)
+        prefix_cost = 0 if packed else sub.prompt_ids.shape[1]
+        for local_rows in plan_row_chunks(sub.completion_mask, prefix_cost, budget):
+            part = sub.select_rows(local_rows)
+            if not part.completion_mask.any():
+                continue
+            scored = score_completions(
+                prepared, part, capture, temperature=temperature, return_entropy=return_entropy, packed=packed
+            )
+            mask = part.completion_mask
+            values = (
+                scatter_valid(scored.logps, mask),
+                scatter_valid(scored.entropy, mask) if return_entropy else None,
+            )
+            write_rows(logps, entropy, sub_rows[local_rows], values)
+        del capture
     return LogpsOutput(logps, entropy, batch.completion_mask)
-
-
-def _scatter_valid(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(num_valid,) values -> (rows, C) float32 with zeros where ``mask`` is False (differentiable)."""
-    out = values.new_zeros(mask.shape)
-    return out.masked_scatter(mask, values)

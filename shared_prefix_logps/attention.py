@@ -15,7 +15,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from .context import CONTEXT_KWARG, CaptureContext, SharedContext
+from . import flex
+from .context import CONTEXT_KWARG, CaptureContext, SharedContext, cached
 
 #: Name under which the function is registered. transformers matches implementation names by substring
 #: ("sdpa", "flash", "flex_attention" switch on special code paths), so none of those may appear in it.
@@ -78,22 +79,26 @@ def shared_prefix_attention(module, query, key, value, attention_mask, **kwargs)
     )
     window = kwargs.get("sliding_window")
     if isinstance(context, CaptureContext):
-        return _capture_attention(module, query, key, value, context, window, options), None
+        # Checkpointed layers come back here when backward recomputes them; the first recording is the one Phase 2
+        # built its graph on, so it is kept.
+        context.kv.setdefault(module, (key, value))
+        if context.packed:
+            return flex.packed_capture_attention(query, key, value, context, window, options), None
+        return _capture_attention(query, key, value, context, window, options), None
     if isinstance(context, SharedContext):
+        if context.packed:
+            return flex.packed_shared_attention(module, query, key, value, context, window, options), None
         return _shared_expand_attention(module, query, key, value, context, window, options), None
     raise TypeError(f"{CONTEXT_KWARG} must be a CaptureContext or SharedContext, got {type(context).__name__}")
 
 
-def _capture_attention(module, query, key, value, context: CaptureContext, window, options):
-    # Checkpointed layers come back here when backward recomputes them; the first recording is the one Phase 2
-    # built its graph on, so it is kept.
-    context.kv.setdefault(module, (key, value))
-    mask = _cached_mask(context, ("prefix", window), lambda: prefix_causal_mask(context, window))
+def _capture_attention(query, key, value, context: CaptureContext, window, options):
+    mask = cached(context, ("prefix", window), lambda: prefix_causal_mask(context, window))
     return masked_attention(query, key, value, mask, **options)
 
 
 def _shared_expand_attention(module, query, key, value, context: SharedContext, window, options):
-    own_mask = _cached_mask(context, ("own", window), lambda: own_causal_mask(context, window))
+    own_mask = cached(context, ("own", window), lambda: own_causal_mask(context, window))
     capture = context.capture
     if capture is None:
         return masked_attention(query, key, value, own_mask, **options)
@@ -107,19 +112,12 @@ def _shared_expand_attention(module, query, key, value, context: SharedContext, 
     rows = context.group_index
     keys = torch.cat([prefix_key[rows], key], dim=2)
     values = torch.cat([prefix_value[rows], value], dim=2)
-    mask = _cached_mask(
+    mask = cached(
         context,
         ("shared", window),
         lambda: torch.cat([completion_prefix_mask(context, window), own_mask.expand(rows.numel(), -1, -1, -1)], dim=-1),
     )
     return masked_attention(query, keys, values, mask, **options)
-
-
-def _cached_mask(context, key, build):
-    # Masks depend on the layer only through its sliding window; build each once per phase.
-    if key not in context.masks:
-        context.masks[key] = build()
-    return context.masks[key]
 
 
 def _window_ok(query_positions, key_positions, window):

@@ -24,17 +24,23 @@ _ACTIVE: ContextVar[CaptureContext | SharedContext | None] = ContextVar("shared_
 class CaptureContext:
     """Phase 1: prompts are forwarded once and each layer's post-RoPE keys/values are recorded.
 
+    Two layouts. ``padded`` (the ``expand`` backend): one row per prompt, left-padded. ``packed`` (the ``flex``
+    backend): a single row holding the real prefix tokens of every prompt back to back, no padding.
+
     Attributes:
-        key_valid: (num_prompts, prefix_len) bool, False on left padding of the prefix.
-        positions: (num_prompts, prefix_len) int64 position of each prefix token.
+        key_valid: (num_prompts, prefix_len) bool, False on left padding ((1, total) all True when packed).
+        positions: (num_prompts, prefix_len) int64 position of each prefix token ((1, total) when packed).
         needs_grad: whether the caller expects gradients through the captured keys/values.
-        kv: attention module -> (key, value), each (num_prompts, num_kv_heads, prefix_len, head_dim).
+        packed: the layout; when packed, ``segments`` (total,) int64 gives each token's prompt index.
+        kv: attention module -> (key, value), each (rows, num_kv_heads, length, head_dim) in the layout above.
         masks: attention masks built once per phase, keyed by their kind and sliding window.
     """
 
     key_valid: torch.Tensor
     positions: torch.Tensor
     needs_grad: bool
+    packed: bool = False
+    segments: torch.Tensor | None = None
     kv: dict = field(default_factory=dict)
     masks: dict = field(default_factory=dict)
 
@@ -43,16 +49,20 @@ class CaptureContext:
 class SharedContext:
     """Phase 2: completion rows attend over their group's captured prefix and, causally, over themselves.
 
+    Padded layout (``expand``): one row per completion, (rows, C). Packed layout (``flex``): one row holding the
+    valid query tokens of every completion back to back, (1, num_valid).
+
     Attributes:
         capture: the Phase 1 context whose keys/values are the prefixes (None when every prefix is empty).
         group_index: (rows,) int64 index of each row's prompt in the capture.
-        positions: (rows, completion_len) int64 position of each query token.
-        query_valid: (rows, completion_len) bool, True where a query token's output is used.
+        positions: (rows, completion_len) int64 position of each query token ((1, num_valid) when packed).
+        query_valid: (rows, completion_len) bool, True where a query token's output is used (all True, packed).
         head_targets: (num_valid,) int64 next-token ids of the valid query tokens, in row-major order.
         temperature: divides the logits before the log-softmax.
         return_entropy: whether the head also computes the entropy of each valid token's distribution.
         needs_grad: whether the caller expects gradients.
         head_spec: the model's :class:`~shared_prefix_logps.model_support.HeadSpec` (scale, softcap, lm_head).
+        packed: the layout; when packed, ``query_rows`` (num_valid,) int64 gives each query token's row.
         logps / entropy: written by the lm_head proxy: (num_valid,) float32.
         masks: attention masks built once per phase, keyed by their kind and sliding window.
     """
@@ -66,9 +76,19 @@ class SharedContext:
     return_entropy: bool
     needs_grad: bool
     head_spec: object
+    packed: bool = False
+    query_rows: torch.Tensor | None = None
     logps: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     masks: dict = field(default_factory=dict)
+
+
+def cached(context: CaptureContext | SharedContext, key, build):
+    """``context.masks[key]``, built by ``build()`` on first use: masks depend on the layer only through its
+    sliding window, so each is built once per phase."""
+    if key not in context.masks:
+        context.masks[key] = build()
+    return context.masks[key]
 
 
 def active_context() -> CaptureContext | SharedContext | None:

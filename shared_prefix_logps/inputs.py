@@ -7,6 +7,7 @@ completion row the index of its prompt.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,18 +37,50 @@ class GroupedBatch:
         """(num_prompts,) int64 true prompt lengths."""
         return self.prompt_mask.sum(1)
 
-    def trimmed(self) -> GroupedBatch:
-        """The same batch without columns that are padding in every row (leading for prompts, trailing for
-        completions); the completion length can only shrink, so callers pad results back to the original C."""
-        lead = int((~self.prompt_mask).all(0).sum().item()) if self.prompt_mask.numel() else 0
-        keep_c = int(self.completion_mask.sum(1).max().item()) if self.completion_mask.numel() else 0
-        return GroupedBatch(
-            prompt_ids=self.prompt_ids[:, lead:],
-            prompt_mask=self.prompt_mask[:, lead:],
-            completion_ids=self.completion_ids[:, :keep_c],
-            completion_mask=self.completion_mask[:, :keep_c],
-            group_index=self.group_index,
+    def select_prompts(self, prompt_indices: torch.Tensor) -> tuple[GroupedBatch, torch.Tensor]:
+        """The sub-batch of some prompts and all their completion rows.
+
+        Returns the sub-batch (its ``group_index`` renumbered into ``prompt_indices``) and the (rows,) int64
+        indices of its completion rows in this batch.
+        """
+        local = torch.full((self.prompt_ids.shape[0],), -1, dtype=torch.long, device=self.group_index.device)
+        local[prompt_indices] = torch.arange(prompt_indices.numel(), device=local.device)
+        rows = (local[self.group_index] >= 0).nonzero().squeeze(1)
+        sub = GroupedBatch(
+            prompt_ids=self.prompt_ids[prompt_indices],
+            prompt_mask=self.prompt_mask[prompt_indices],
+            completion_ids=self.completion_ids[rows],
+            completion_mask=self.completion_mask[rows],
+            group_index=local[self.group_index[rows]],
         )
+        return sub, rows
+
+    def select_rows(self, rows: torch.Tensor) -> GroupedBatch:
+        """The same prompts with only completion ``rows``, trailing all-padding columns dropped (so the result's C
+        can be shorter: callers write results back into the first columns)."""
+        mask = self.completion_mask[rows]
+        keep = int(mask.sum(1).max().item()) if mask.numel() else 0
+        return GroupedBatch(
+            prompt_ids=self.prompt_ids,
+            prompt_mask=self.prompt_mask,
+            completion_ids=self.completion_ids[rows, :keep],
+            completion_mask=mask[:, :keep],
+            group_index=self.group_index[rows],
+        )
+
+
+def check_options(temperature, backend, token_budget=None, backends=("auto", "expand", "flex", "dense")) -> None:
+    """Validate the options shared by the entry points."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be positive and finite, got {temperature}")
+    if backend not in backends:
+        raise ValueError(f"backend must be one of {backends}, got {backend!r}")
+    if token_budget is not None and (
+        isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1
+    ):
+        raise ValueError(f"token_budget must be a positive int or None, got {token_budget!r}")
 
 
 def _as_id_tensor(name: str, value, device) -> tuple[torch.Tensor, torch.Tensor | None]:

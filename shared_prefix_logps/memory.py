@@ -14,7 +14,8 @@ class LiveTensorBytes(TorchDispatchMode):
     """Tracks bytes of tensor storages allocated inside the mode and still alive; ``peak`` is the maximum.
 
     Storages that existed before (parameters, inputs) are not counted, views and in-place results add nothing.
-    Used on CPU, where no allocator keeps statistics; slows the work down, so time it separately.
+    Used on CPU, where no allocator keeps statistics; slows the work down, so time it separately. It cannot see
+    inside higher-order operators (flex_attention), so it is for the ``expand`` and ``dense`` paths.
     """
 
     def __init__(self):
@@ -25,8 +26,12 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            # A result sharing an input's storage (a view, an in-place op) allocated nothing.
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.untyped_storage().data_ptr() not in inputs:
                 self._count(t.untyped_storage())
         return out
 

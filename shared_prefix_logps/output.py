@@ -30,3 +30,18 @@ class LogpsOutput:
             entropy=None if self.entropy is None else self.entropy.detach(),
             mask=self.mask,
         )
+
+
+def write_rows(logps, entropy, rows, values) -> None:
+    """Write (len(rows), c) results into the first c columns of ``rows`` (differentiably)."""
+    part_logps, part_entropy = values
+    width = part_logps.shape[1]
+    logps[rows, :width] = part_logps
+    if entropy is not None:
+        entropy[rows, :width] = part_entropy
+
+
+def scatter_valid(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(num_valid,) values -> (rows, C) float32 with zeros where ``mask`` is False (differentiable)."""
+    out = values.new_zeros(mask.shape)
+    return out.masked_scatter(mask, values)

@@ -4,6 +4,9 @@ Phase 1 forwards each prompt once, without its last token, and records every lay
 Phase 2 forwards each completion row as ``[last prompt token, completion[:-1]]`` at positions that continue its
 prompt; its queries attend over the group's recorded prefix and causally over the row itself, and the lm_head
 proxy turns the valid queries' hidden states into log-probs of the completion tokens.
+
+Both phases come in two layouts: ``padded`` (backend ``expand``: rows of the batch as they are) and ``packed``
+(backend ``flex``: the real tokens of all rows back to back in one row, no padding processed).
 """
 
 from __future__ import annotations
@@ -15,23 +18,40 @@ from .inputs import GroupedBatch
 from .model_support import PreparedModel, force_non_reentrant_checkpointing
 
 
-def capture_prefix(prepared: PreparedModel, batch: GroupedBatch) -> CaptureContext | None:
+def capture_prefix(
+    prepared: PreparedModel, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, packed: bool = False
+) -> CaptureContext | None:
     """Phase 1: forward ``prompt[:, :-1]`` of every prompt once and record each layer's keys/values.
+
+    Args:
+        prompt_ids, prompt_mask: (num_prompts, P) left-padded prompts.
+        packed: use the packed layout (flex backend).
 
     Returns None when every prompt has a single token (no prefix to share).
     """
-    prefix_ids = batch.prompt_ids[:, :-1]
-    prefix_mask = batch.prompt_mask[:, :-1]
-    if prefix_ids.shape[1] == 0:
-        return None
-    # Leading columns that are padding in every prompt (all one-token prompts but one, say) hold no key.
-    lead = int((~prefix_mask).all(0).sum().item())
+    prefix_ids = prompt_ids[:, :-1]
+    prefix_mask = prompt_mask[:, :-1]
+    # Leading columns that are padding in every prompt hold no key.
+    lead = int((~prefix_mask).all(0).sum().item()) if prefix_mask.shape[1] else 0
     prefix_ids, prefix_mask = prefix_ids[:, lead:], prefix_mask[:, lead:]
     if prefix_ids.shape[1] == 0:
         return None
     positions = (prefix_mask.long().cumsum(1) - 1).clamp(min=0)
-    context = CaptureContext(key_valid=prefix_mask, positions=positions, needs_grad=torch.is_grad_enabled())
-    _forward(prepared, prefix_ids, positions, context)
+    needs_grad = torch.is_grad_enabled()
+    if packed:
+        segments = torch.arange(prefix_ids.shape[0], device=prefix_ids.device)[:, None].expand_as(prefix_ids)
+        context = CaptureContext(
+            key_valid=prefix_mask[prefix_mask][None],
+            positions=positions[prefix_mask][None],
+            needs_grad=needs_grad,
+            packed=True,
+            segments=segments[prefix_mask],
+        )
+        input_ids = prefix_ids[prefix_mask][None]
+    else:
+        context = CaptureContext(key_valid=prefix_mask, positions=positions, needs_grad=needs_grad)
+        input_ids = prefix_ids
+    _forward(prepared, input_ids, context.positions, context)
     if not context.kv:
         raise ValueError(f"{type(prepared.causal_lm).__name__} ran no attention layer through the shared-prefix path")
     return context
@@ -44,11 +64,12 @@ def score_completions(
     *,
     temperature: float,
     return_entropy: bool,
+    packed: bool = False,
 ) -> SharedContext:
     """Phase 2: log-probs (and entropy) of every valid completion token; see :class:`SharedContext`.
 
-    The returned context's ``logps``/``entropy`` are (num_valid,) float32 in row-major order of
-    ``batch.completion_mask``.
+    ``batch.group_index`` indexes the prompts of ``capture``. The returned context's ``logps``/``entropy`` are
+    (num_valid,) float32 in row-major order of ``batch.completion_mask``.
     """
     rows, length = batch.completion_ids.shape
     group_index = batch.group_index
@@ -56,18 +77,30 @@ def score_completions(
     query_ids = torch.cat([last_prompt_token[:, None], batch.completion_ids[:, :-1]], dim=1)
     start = batch.prompt_lengths[group_index] - 1
     positions = start[:, None] + torch.arange(length, device=start.device)[None, :]
-    context = SharedContext(
+    valid = batch.completion_mask
+    common = dict(
         capture=capture,
         group_index=group_index,
-        positions=positions,
-        query_valid=batch.completion_mask,
-        head_targets=batch.completion_ids[batch.completion_mask],
+        head_targets=batch.completion_ids[valid],
         temperature=temperature,
         return_entropy=return_entropy,
         needs_grad=torch.is_grad_enabled(),
         head_spec=prepared.head,
     )
-    _forward(prepared, query_ids, positions, context)
+    if packed:
+        query_rows = torch.arange(rows, device=valid.device)[:, None].expand_as(valid)[valid]
+        context = SharedContext(
+            positions=positions[valid][None],
+            query_valid=torch.ones(1, query_rows.numel(), dtype=torch.bool, device=valid.device),
+            packed=True,
+            query_rows=query_rows,
+            **common,
+        )
+        input_ids = query_ids[valid][None]
+    else:
+        context = SharedContext(positions=positions, query_valid=valid, **common)
+        input_ids = query_ids
+    _forward(prepared, input_ids, context.positions, context)
     if context.logps is None:
         raise ValueError(f"{type(prepared.causal_lm).__name__} did not call its lm_head inside its forward")
     return context

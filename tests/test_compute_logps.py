@@ -93,22 +93,21 @@ def test_concatenated_rows_share_identical_prompts_in_any_order():
 
 
 def test_concatenated_shares_each_prompt_once(monkeypatch):
-    from shared_prefix_logps import phases
-
-    seen = []
-    original = phases.capture_prefix
-    monkeypatch.setattr(
-        phases, "capture_prefix", lambda prepared, batch: seen.append(batch) or original(prepared, batch)
-    )
     import shared_prefix_logps.api as api
 
-    monkeypatch.setattr(api, "capture_prefix", phases.capture_prefix)
+    seen = []
+    original = api.capture_prefix
+
+    def recording(prepared, prompt_ids, prompt_mask, **kwargs):
+        seen.append(prompt_ids)
+        return original(prepared, prompt_ids, prompt_mask, **kwargs)
+
+    monkeypatch.setattr(api, "capture_prefix", recording)
     model = build_model("llama")
     prompts, pmask, comps, cmask = make_batch(3, 4, prompt_len=10, completion_len=6, seed=7)
     group = torch.tensor([2, 0, 1, 0, 2, 1, 1, 0, 2, 0, 1, 2])
-    with torch.no_grad():
-        compute_logps_concatenated(model, torch.cat([prompts[group], comps], 1), torch.cat([pmask[group], cmask], 1), 6)
-    assert len(seen) == 1 and seen[0].prompt_ids.shape[0] == 3
+    compute_logps_concatenated(model, torch.cat([prompts[group], comps], 1), torch.cat([pmask[group], cmask], 1), 6)
+    assert len(seen) == 1 and seen[0].shape[0] == 3
 
 
 def test_plain_forward_untouched_after_use():

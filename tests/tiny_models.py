@@ -9,7 +9,9 @@ VOCAB = 101  # odd on purpose: nothing may assume a power of two
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "phi3")
 
 
-def build_model(family: str, *, tied: bool | None = None, dtype=torch.float32, seed: int = 0, layers: int = 2):
+def build_model(
+    family: str, *, tied: bool | None = None, dtype=torch.float32, seed: int = 0, layers: int = 2, hidden: int = 32
+):
     """A 2-layer model of ``family`` with grouped-query attention and features that stress the shared path:
     Mistral and Gemma2 get sliding windows shorter than the test sequences, Gemma2 its attention and final
     softcaps, Phi3 partial rotary embeddings, Qwen2 attention biases and tied embeddings."""
@@ -17,8 +19,8 @@ def build_model(family: str, *, tied: bool | None = None, dtype=torch.float32, s
 
     common = dict(
         vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
+        hidden_size=hidden,
+        intermediate_size=hidden * 3 // 2,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -1,0 +1,103 @@
+"""chunked_backward: parameter gradients equal dense autograd of the summed chunk losses, for every chunk size."""
+
+import pytest
+import torch
+from exactness import max_relative_grad_error, parameter_grads
+from tiny_models import build_model, make_batch
+
+from shared_prefix_logps import chunked_backward, compute_logps
+
+
+def _loss_weights(rows, length):
+    gen = torch.Generator().manual_seed(5)
+    return torch.randn(rows, length, generator=gen), torch.randn(rows, length, generator=gen)
+
+
+def _check_all_chunk_sizes(model, generations, *, reference_model=None, return_entropy=True):
+    reference_model = reference_model or model
+    prompts, pmask, comps, cmask = make_batch(3, generations, prompt_len=9, completion_len=6, seed=generations)
+    w_logps, w_entropy = _loss_weights(*comps.shape)
+    kwargs = dict(prompt_mask=pmask, completion_mask=cmask, temperature=0.7, return_entropy=return_entropy)
+
+    def loss_fn(out, rows):
+        loss = (out.logps * w_logps[rows]).sum()
+        if out.entropy is not None:
+            loss = loss + (out.entropy * w_entropy[rows]).sum()
+        return loss
+
+    dense = compute_logps(reference_model, prompts, comps, backend="dense", **kwargs)
+    expected = parameter_grads(reference_model, loss_fn(dense, torch.arange(comps.shape[0])))
+    for chunk in range(1, generations + 1):
+        model.zero_grad(set_to_none=True)
+        out = chunked_backward(model, prompts, comps, loss_fn, generations_per_chunk=chunk, **kwargs)
+        assert not out.logps.requires_grad
+        assert (out.logps - dense.logps.detach()).abs().max() <= 1e-5, chunk
+        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+        assert max_relative_grad_error(grads, expected) <= 1e-4, chunk
+
+
+@pytest.mark.parametrize("generations", [1, 4, 16])
+def test_every_chunk_size_matches_dense(generations):
+    _check_all_chunk_sizes(build_model("llama"), generations)
+
+
+def test_with_checkpointing_and_sliding_window():
+    model = build_model("mistral")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    _check_all_chunk_sizes(model, 4, reference_model=build_model("mistral"))
+
+
+def test_with_lora():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(build_model("qwen2"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.2)
+    _check_all_chunk_sizes(model, 4, return_entropy=False)
+
+
+def test_gradients_accumulate_onto_existing_grads():
+    model = build_model("qwen3")
+    prompts, pmask, comps, cmask = make_batch(2, 4, prompt_len=7, completion_len=5)
+    kwargs = dict(prompt_mask=pmask, completion_mask=cmask)
+    loss_fn = lambda out, rows: out.logps.sum()
+    chunked_backward(model, prompts, comps, loss_fn, generations_per_chunk=2, **kwargs)
+    once = {n: p.grad.clone() for n, p in model.named_parameters()}
+    chunked_backward(model, prompts, comps, loss_fn, generations_per_chunk=2, **kwargs)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * once[n], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, pattern",
+    [
+        (dict(generations_per_chunk=0), ValueError, r"generations_per_chunk must be in \[1, G=4\]"),
+        (dict(generations_per_chunk=5), ValueError, r"generations_per_chunk must be in \[1, G=4\]"),
+        (dict(generations_per_chunk=2.0), TypeError, "generations_per_chunk must be an int"),
+        (dict(generations_per_chunk=2, backend="dense"), ValueError, "backend='dense' cannot"),
+    ],
+)
+def test_bad_arguments(kwargs, error, pattern):
+    model = build_model("llama")
+    prompts, pmask, comps, cmask = make_batch(2, 4, prompt_len=5, completion_len=3)
+    with pytest.raises(error, match=pattern):
+        chunked_backward(
+            model, prompts, comps, lambda o, r: o.logps.sum(), prompt_mask=pmask, completion_mask=cmask, **kwargs
+        )
+
+
+def test_loss_fn_must_return_a_scalar():
+    model = build_model("llama")
+    prompts, pmask, comps, cmask = make_batch(2, 2, prompt_len=5, completion_len=3)
+    with pytest.raises(TypeError, match="scalar tensor"):
+        chunked_backward(
+            model,
+            prompts,
+            comps,
+            lambda o, r: o.logps,
+            generations_per_chunk=1,
+            prompt_mask=pmask,
+            completion_mask=cmask,
+        )

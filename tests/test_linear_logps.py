@@ -1,23 +1,30 @@
 """linear_logps (chunked lm_head + log-softmax-gather) vs a float64 reference, on both statistics backends."""
 
-import os
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-# Must precede any Triton import; the kernels also re-read it at every launch.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from shared_prefix_logps.head import default_chunk_size, linear_logps
+from shared_prefix_logps.kernels import _backend
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from torch.utils._pytree import tree_leaves  # noqa: E402
+TRITON_OK = _backend._triton_impl is not None
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON_OK, reason="Triton not importable"))]
 
-from shared_prefix_logps.head import default_chunk_size, linear_logps  # noqa: E402
-from shared_prefix_logps.kernels import _backend, resolve_backend  # noqa: E402
 
-TRITON_OK = _backend._triton_impl is not None and resolve_backend("auto", torch.empty(0)) == "triton"
-BACKENDS = [
-    "torch",
-    pytest.param("triton", marks=pytest.mark.skipif(not TRITON_OK, reason="Triton not importable or not interpreting")),
-]
+@pytest.fixture(autouse=True, scope="module")
+def _interpret_triton_on_cpu():
+    """Run the Triton kernels on CPU through Triton's interpreter, for this module only.
+
+    The kernels read TRITON_INTERPRET at every launch (not at import), so setting it here is enough; doing it at
+    import time instead would leak into every other test module of the session and silently reroute their heads
+    through the (slow) interpreter.
+    """
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
 SHAPES = [(37, 1013, 48), (5, 257, 16), (1, 3, 8)]  # (N, V, H)
 
 

@@ -1,20 +1,27 @@
 """logsoftmax_gather (Triton kernels under TRITON_INTERPRET=1, and the torch fallback) vs a float64 reference."""
 
-import os
+import pytest
+import torch
 
-# Must precede any Triton import; the kernels also re-read it at every launch.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+from shared_prefix_logps.kernels import _backend, logsoftmax_gather, resolve_backend
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+TRITON_OK = _backend._triton_impl is not None
+BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON_OK, reason="Triton not importable"))]
 
-from shared_prefix_logps.kernels import _backend, logsoftmax_gather, resolve_backend  # noqa: E402
 
-TRITON_OK = _backend._triton_impl is not None and resolve_backend("auto", torch.empty(0)) == "triton"
-BACKENDS = [
-    "torch",
-    pytest.param("triton", marks=pytest.mark.skipif(not TRITON_OK, reason="Triton not importable or not interpreting")),
-]
+@pytest.fixture(autouse=True, scope="module")
+def _interpret_triton_on_cpu():
+    """Run the Triton kernels on CPU through Triton's interpreter, for this module only.
+
+    The kernels read TRITON_INTERPRET at every launch (not at import), so setting it here is enough; doing it at
+    import time instead would leak into every other test module of the session and silently reroute their heads
+    through the (slow) interpreter.
+    """
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "1")
+        yield
+
+
 SHAPES = [(37, 1013), (5, 257), (1, 3)]
 
 
@@ -218,7 +225,7 @@ def test_leading_dims(backend):
     assert max_err(res["grad"]) <= 1e-4 * res["grad"][1].abs().max().item()
 
 
-@pytest.mark.skipif(not TRITON_OK, reason="Triton not importable or not interpreting")
+@pytest.mark.skipif(not TRITON_OK, reason="Triton not importable")
 def test_out_of_range_target_is_nan_on_triton():
     logits = torch.randn(3, 257)
     lp = logsoftmax_gather(logits, torch.tensor([0, 257, -1]), backend="triton")
@@ -267,7 +274,7 @@ def test_cuda_triton_matches_float64(dtype, monkeypatch):
     assert excess.max().item() <= 0
 
 
-@pytest.mark.skipif(not TRITON_OK, reason="Triton not importable or not interpreting")
+@pytest.mark.skipif(not TRITON_OK, reason="Triton not importable")
 @pytest.mark.parametrize("block", [64, 128])
 def test_triton_online_rescaling_over_many_blocks(block, monkeypatch):
     # The interpreter normally covers a row with one block; force 8-16 blocks so the running max, sum and entropy
@@ -287,3 +294,68 @@ def test_triton_online_rescaling_over_many_blocks(block, monkeypatch):
     assert torch.allclose(res["logps"][0].double(), res["logps"][1], rtol=1e-6, atol=1e-5), max_err(res["logps"])
     assert max_err(res["entropy"]) < 1e-5
     assert max_err(res["grad"]) <= 1e-4 * res["grad"][1].abs().max().item()
+
+
+def _compile_for_sm90(fn, signature, constexprs, num_warps):
+    """Compile a kernel to a cubin for an H100 with Triton's own toolchain; needs no GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    jf = JITFunction(fn)
+    src = ASTSource(jf, signature, constexprs={(jf.arg_names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+
+
+@pytest.mark.skipif(not TRITON_OK, reason="Triton not importable")
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_kernels_compile_for_cuda_without_a_gpu(dtype):
+    # The interpreter is lenient about typing (loop-carried scalars, tensor loop bounds) in ways the compiler is
+    # not; compiling both kernels down to a cubin catches such errors on machines without a GPU.
+    from triton.runtime.jit import JITFunction
+
+    impl = _backend._triton_impl
+    if not isinstance(impl._SUM, JITFunction):
+        pytest.skip("Triton was imported with TRITON_INTERPRET=1, so its own library cannot be compiled")
+    ptr = f"*{dtype}"
+    common = {"n_cols": "i32", "inv_temperature": "fp32", "ignore_index": "i64", "BLOCK_V": "constexpr"}
+    fwd_sig = {
+        "logits_ptr": ptr,
+        "logits_row_stride": "i64",
+        "targets_ptr": "*i64",
+        "logps_ptr": "*fp32",
+        "norm_ptr": "*fp32",
+        "norm_stride": "i32",
+        "entropy_ptr": "*fp32",
+        **common,
+        "RETURN_ENTROPY": "constexpr",
+    }
+    bwd_sig = {
+        "logits_ptr": ptr,
+        "logits_row_stride": "i64",
+        "grad_ptr": ptr,
+        "grad_row_stride": "i64",
+        "targets_ptr": "*i64",
+        "norm_ptr": "*fp32",
+        "norm_stride": "i32",
+        "entropy_ptr": "*fp32",
+        "grad_logps_ptr": "*fp32",
+        "grad_entropy_ptr": "*fp32",
+        **common,
+        "HAS_GRAD_LOGPS": "constexpr",
+        "HAS_GRAD_ENTROPY": "constexpr",
+    }
+    try:
+        fwd = _compile_for_sm90(
+            impl._logsoftmax_gather_fwd_kernel, fwd_sig, {"BLOCK_V": 8192, "RETURN_ENTROPY": True}, num_warps=16
+        )
+    except (ImportError, FileNotFoundError) as exc:  # a Triton build without the NVIDIA toolchain
+        pytest.skip(f"no CUDA toolchain in this Triton build: {exc}")
+    bwd = _compile_for_sm90(
+        impl._logsoftmax_gather_bwd_kernel,
+        bwd_sig,
+        {"BLOCK_V": 8192, "HAS_GRAD_LOGPS": True, "HAS_GRAD_ENTROPY": True},
+        num_warps=16,
+    )
+    assert "cubin" in fwd.asm and "cubin" in bwd.asm

@@ -15,6 +15,13 @@ import triton.language as tl
 
 from .._triton_utils import LazyKernel, interpret_enabled, next_power_of_2
 
+# Reductions go through tl.reduce with Triton's own combine functions instead of tl.max / tl.sum: those two are
+# jit functions decorated when triton.language is imported, so they only work in the mode (compiled or
+# interpreted) Triton was imported in. The interpreter recognises these combine functions and reduces with numpy,
+# which keeps the kernels runnable under TRITON_INTERPRET=1 set at call time, whatever the import order.
+_MAX = tl.standard._elementwise_max
+_SUM = tl.standard._sum_combine
+
 
 def _logsoftmax_gather_fwd_kernel(
     logits_ptr,
@@ -46,7 +53,7 @@ def _logsoftmax_gather_fwd_kernel(
     for start in range(0, loop_end, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         x = tl.load(row_ptr + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
+        m_new = tl.maximum(m, tl.reduce(x, 0, _MAX))
         frame = tl.where(m_new == float("-inf"), 0.0, m_new)
         shift = (m - frame) * inv_temperature  # -inf until the first finite logit: alpha = 0, old s = w = 0
         alpha = tl.exp(shift)
@@ -55,8 +62,8 @@ def _logsoftmax_gather_fwd_kernel(
         if RETURN_ENTROPY:
             # Re-express the old w in the new frame: sum e'd' = alpha * (w + shift * s).
             w = alpha * (w + tl.where(s > 0, shift, 0.0) * s)
-            w += tl.sum(e * tl.where(e > 0, d, 0.0), axis=0)
-        s = s * alpha + tl.sum(e, axis=0)
+            w += tl.reduce(e * tl.where(e > 0, d, 0.0), 0, _SUM)
+        s = s * alpha + tl.reduce(e, 0, _SUM)
         m = m_new
 
     frame = tl.where(m == float("-inf"), 0.0, m)

@@ -43,18 +43,21 @@ def _step(model, batch, backend):
     return out.logps.detach()
 
 
-def _timed(model, batch, backend, repeats, device):
-    times = []
-    for _ in range(repeats + 1):  # the first run warms up
-        model.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        _step(model, batch, backend)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
+def _timed(model, batch, repeats, device) -> tuple[float, float]:
+    """Median seconds of a dense and a shared step, run alternately so background load hits both alike."""
+    times = {"dense": [], "auto": []}
+    for i in range(repeats + 1):  # the first round warms up
+        for backend in ("dense", "auto"):
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            _step(model, batch, backend)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i:
+                times[backend].append(time.perf_counter() - start)
+    return statistics.median(times["dense"]), statistics.median(times["auto"])
 
 
 def _peak(model, batch, backend, device):
@@ -100,8 +103,7 @@ def main(argv=None) -> dict:
     shared = _step(model, batch, "auto")
     dense = _step(model, batch, "dense")
     max_diff = (shared - dense).abs().max().item()
-    t_dense = _timed(model, batch, "dense", args.repeats, device)
-    t_shared = _timed(model, batch, "auto", args.repeats, device)
+    t_dense, t_shared = _timed(model, batch, args.repeats, device)
     m_dense = _peak(model, batch, "dense", device)
     m_shared = _peak(model, batch, "auto", device)
     figures = dict(

@@ -1,0 +1,156 @@
+"""The methods the benchmark puts side by side, each as one step on a GRPO-shaped batch.
+
+A step is either ``score`` (log-probs without gradients, as for old/reference log-probs) or ``train`` (log-probs
+with gradients and a backward of their sum). Every method returns the (rows, C) float32 log-probs it computed, so
+the runner can check it against the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .. import chunked_backward, compute_logps
+
+
+@dataclass(frozen=True)
+class Batch:
+    """prompts (B, P) left-padded, completions (B*G, C) right-padded, with bool masks."""
+
+    prompts: torch.Tensor
+    prompt_mask: torch.Tensor
+    completions: torch.Tensor
+    completion_mask: torch.Tensor
+
+    @property
+    def generations(self) -> int:
+        return self.completions.shape[0] // self.prompts.shape[0]
+
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Full ``[prompt | completion]`` rows (B*G, P+C) and their attention mask, as trainers build them."""
+        g = self.generations
+        ids = torch.cat([self.prompts.repeat_interleave(g, 0), self.completions], 1)
+        mask = torch.cat([self.prompt_mask.repeat_interleave(g, 0), self.completion_mask], 1)
+        return ids, mask
+
+
+Step = Callable[[torch.nn.Module, Batch, bool], torch.Tensor]
+
+
+def _ours(backend: str) -> Step:
+    def step(model, batch, train):
+        with torch.set_grad_enabled(train):
+            out = compute_logps(
+                model,
+                batch.prompts,
+                batch.completions,
+                prompt_mask=batch.prompt_mask,
+                completion_mask=batch.completion_mask,
+                backend=backend,
+            )
+            if train:
+                out.logps.sum().backward()
+        return out.logps.detach()
+
+    return step
+
+
+def _chunked(model, batch, train):
+    if not train:
+        return _ours("auto")(model, batch, train)
+    out = chunked_backward(
+        model,
+        batch.prompts,
+        batch.completions,
+        lambda chunk, rows: chunk.logps.sum(),
+        generations_per_chunk=max(1, batch.generations // 4),
+        prompt_mask=batch.prompt_mask,
+        completion_mask=batch.completion_mask,
+    )
+    return out.logps
+
+
+def _kv_expand(model, batch, train):
+    """KV-cache expansion (TRL PR #2669): prompt forward with a cache, cache repeated G times, completions on it."""
+    g = batch.generations
+    c = batch.completions.shape[1]
+    with torch.set_grad_enabled(train):
+        positions = (batch.prompt_mask.long().cumsum(1) - 1).clamp(min=0)
+        prompt_out = model(
+            input_ids=batch.prompts,
+            attention_mask=batch.prompt_mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = prompt_out.past_key_values
+        cache.batch_repeat_interleave(g)
+        first_logits = prompt_out.logits[:, -1:].repeat_interleave(g, 0)
+        start = batch.prompt_mask.sum(1).repeat_interleave(g)[:, None]
+        mask = torch.cat([batch.prompt_mask.repeat_interleave(g, 0), batch.completion_mask], 1)
+        out = model(
+            input_ids=batch.completions[:, :-1],
+            attention_mask=mask[:, :-1],
+            position_ids=start + torch.arange(c - 1, device=start.device)[None],
+            past_key_values=cache,
+            use_cache=True,
+        )
+        logits = torch.cat([first_logits, out.logits], 1).float()
+        logps = torch.log_softmax(logits, -1).gather(-1, batch.completions[..., None]).squeeze(-1)
+        logps = logps.masked_fill(~batch.completion_mask, 0.0)
+        if train:
+            logps.sum().backward()
+    return logps.detach()
+
+
+def _trl_rows(model, batch, train):
+    """Full rows through TRL's own fused chunked log-prob head (``add_fused_lm_head``), as GRPOTrainer does."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    if not getattr(model, "_bench_trl_head", False):
+        add_fused_lm_head(model, temperature=1.0, outputs=("log_probs",))
+        model._bench_trl_head = True
+    ids, mask = batch.rows()
+    c = batch.completions.shape[1]
+    labels = ids.masked_fill(~mask, -100)
+    labels[:, :-c] = -100
+    with torch.set_grad_enabled(train):
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, use_cache=False)
+        logps = out.log_probs[:, -c:].float().masked_fill(~batch.completion_mask, 0.0)
+        if train:
+            logps.sum().backward()
+    return logps.detach()
+
+
+def _trl_available() -> bool:
+    try:
+        from trl.trainer.utils import add_fused_lm_head  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+#: name -> (step, needs CUDA for train, available). "dense" is the conventional full-row forward with
+#: trainers' usual ``logits_to_keep`` head; "trl" the same rows through TRL's fused chunked head.
+METHODS: dict[str, tuple[Step, bool, Callable[[], bool]]] = {
+    "dense": (_ours("dense"), False, lambda: True),
+    "trl": (_trl_rows, False, _trl_available),
+    "kv_expand": (_kv_expand, False, lambda: True),
+    "expand": (_ours("expand"), False, lambda: True),
+    "flex": (_ours("flex"), True, lambda: True),
+    "chunked": (_chunked, False, lambda: True),
+}
+
+
+def method_unavailable(name: str, device: torch.device, train: bool) -> str | None:
+    """Why ``name`` cannot run here, or None when it can."""
+    if name not in METHODS:
+        return f"unknown method {name!r}; choose from {', '.join(METHODS)}"
+    _, needs_cuda_for_train, available = METHODS[name]
+    if not available():
+        return "not installed"
+    if train and needs_cuda_for_train and device.type != "cuda":
+        return "backward needs CUDA"
+    return None

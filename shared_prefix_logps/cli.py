@@ -1,0 +1,186 @@
+"""``shared-prefix-logps``: the command line (``bench`` and ``demo``)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+
+def _versions() -> dict:
+    import transformers
+
+    import shared_prefix_logps
+
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "shared_prefix_logps": shared_prefix_logps.__version__,
+    }
+    for name in ("triton", "trl", "peft"):
+        try:
+            versions[name] = __import__(name).__version__
+        except ImportError:
+            pass
+    return versions
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+        )
+    except OSError:
+        return None
+    return out.stdout.strip() or None
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
+def _bench(args) -> int:
+    from .bench.methods import METHODS
+    from .bench.report import markdown_table, write_json, write_plots
+    from .bench.runner import Shape, find_max_generations, run_sweep
+    from .presets import build_preset
+
+    device = torch.device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    workloads = [w.strip() for w in args.workloads.split(",")]
+    if not set(workloads) <= {"score", "train"}:
+        raise SystemExit("--workloads takes score and/or train")
+    model = build_preset(args.preset, dtype=dtype, device=device, layers=args.layers)
+    model.train(False)
+    shapes = [
+        Shape(args.prompts, p, c, g)
+        for p, c, g in itertools.product(args.prompt_len, args.completion_len, args.generations)
+    ]
+    total = len(shapes) * len(workloads) * len(methods)
+    bar = _progress(total)
+
+    def progress(record):
+        bar(
+            f"{record['method']} {record['workload']} P={record['prompt_len']} G={record['generations']}: "
+            f"{record['status']}"
+        )
+
+    records = run_sweep(model, methods, shapes, workloads, repeats=args.repeats, progress=progress)
+    meta = dict(
+        preset=args.preset,
+        layers=args.layers,
+        dtype=str(dtype),
+        device=_device_name(device),
+        versions=_versions(),
+        commit=_commit(),
+    )
+    if args.max_generations:
+        p, c = args.prompt_len[0], args.completion_len[0]
+        meta["max_generations"] = {
+            "prompt_len": p,
+            "completion_len": c,
+            "prompts": args.prompts,
+            "by_method": {m: find_max_generations(model, m, args.prompts, p, c) for m in methods},
+        }
+    table = markdown_table(records)
+    print(table)
+    if "max_generations" in meta:
+        print(f"largest G that fits (train, P={p}, C={c}): {meta['max_generations']['by_method']}")
+    if args.output:
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
+        stem = args.name or "bench"
+        write_json(records, out / f"{stem}.json", meta)
+        (out / f"{stem}.md").write_text(_markdown_report(meta, table))
+        for path in write_plots(records, out, prefix=f"{stem}-"):
+            print(f"wrote {path}")
+        print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.md'}")
+    return 1 if any(r["status"] == "error" for r in records) else 0
+
+
+def _markdown_report(meta: dict, table: str) -> str:
+    versions = ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
+    lines = [
+        f"# Benchmark: {meta['preset']} on {meta['device']}",
+        "",
+        f"dtype {meta['dtype']}; commit {meta['commit']}; {versions}",
+        "",
+        table,
+    ]
+    if "max_generations" in meta:
+        mg = meta["max_generations"]
+        lines += ["", f"Largest G that fits (train, P={mg['prompt_len']}, C={mg['completion_len']}): {mg['by_method']}"]
+    return "\n".join(lines) + "\n"
+
+
+def _progress(total: int):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = None
+    if tqdm is not None:
+        bar = tqdm(total=total, file=sys.stderr)
+
+        def update(text):
+            bar.set_postfix_str(text)
+            bar.update(1)
+
+        return update
+    done = [0]
+
+    def update(text):
+        done[0] += 1
+        print(f"[{done[0]}/{total}] {text}", file=sys.stderr, flush=True)
+
+    return update
+
+
+def main(argv=None) -> int:
+    """Entry point of the ``shared-prefix-logps`` command."""
+    from .presets import PRESETS
+
+    parser = argparse.ArgumentParser(prog="shared-prefix-logps", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="benchmark methods side by side on GRPO-shaped batches")
+    cuda = torch.cuda.is_available()
+    bench.add_argument("--preset", default="qwen2.5-1.5b" if cuda else "tiny", choices=sorted(PRESETS))
+    bench.add_argument("--layers", type=int, default=None, help="override the preset's depth")
+    bench.add_argument("--prompts", type=int, default=2, help="B, prompts per batch")
+    bench.add_argument("--prompt-len", type=int, nargs="+", default=[1024 if cuda else 64])
+    bench.add_argument("--completion-len", type=int, nargs="+", default=[256 if cuda else 16])
+    bench.add_argument("--generations", type=int, nargs="+", default=[8])
+    bench.add_argument("--methods", default="dense,trl,kv_expand,expand,flex,chunked")
+    bench.add_argument("--workloads", default="score,train")
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--device", default="cuda" if cuda else "cpu")
+    bench.add_argument("--dtype", choices=["bf16", "fp32"], default=None)
+    bench.add_argument("--output", default=None, help="directory for JSON, Markdown and PNG results")
+    bench.add_argument("--name", default=None, help="file stem of the results (default: bench)")
+    bench.add_argument(
+        "--max-generations", action="store_true", help="also find the largest G that fits per method (train)"
+    )
+    demo = sub.add_parser("demo", help="the CPU/GPU demo (same as python -m shared_prefix_logps.demo)")
+    demo.add_argument("rest", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from .demo import main as demo_main
+
+        demo_main(args.rest)
+        return 0
+    return _bench(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

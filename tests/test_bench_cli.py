@@ -1,0 +1,67 @@
+"""Smoke test of the benchmark CLI on the CPU tiny preset: every method that can run on CPU runs and agrees."""
+
+import json
+
+import pytest
+
+from shared_prefix_logps.bench.methods import METHODS
+from shared_prefix_logps.cli import main
+
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+def test_tiny_preset_runs_every_cpu_method(tmp_path):
+    code = main(
+        [
+            "bench",
+            "--device",
+            "cpu",
+            "--preset",
+            "tiny",
+            "--layers",
+            "1",
+            "--prompts",
+            "2",
+            "--prompt-len",
+            "24",
+            "--completion-len",
+            "6",
+            "--generations",
+            "2",
+            "4",
+            "--repeats",
+            "1",
+            "--methods",
+            ",".join(METHODS),
+            "--output",
+            str(tmp_path),
+            "--name",
+            "smoke",
+        ]
+    )
+    assert code == 0
+    data = json.loads((tmp_path / "smoke.json").read_text())
+    records = data["records"]
+    assert data["meta"]["versions"]["torch"]
+    assert len(records) == len(METHODS) * 2 * 2  # methods x G values x workloads
+    by_status = {}
+    for record in records:
+        by_status.setdefault(record["status"], []).append(record)
+        if record["status"] == "ok":
+            assert record["median_ms"] > 0
+            if record["method"] != "dense":
+                assert record["max_abs_diff_vs_dense"] <= 1e-5, record
+    assert "error" not in by_status and "OOM" not in by_status
+    skipped = {(r["method"], r["workload"]) for r in by_status.get("skipped", [])}
+    # Only flex's backward (CUDA-only) and methods whose package is missing may be skipped on CPU.
+    for method, workload in skipped:
+        assert (method, workload) == ("flex", "train") or method == "trl", (method, workload)
+    assert (tmp_path / "smoke.md").read_text().startswith("# Benchmark: tiny")
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "smoke-memory_vs_g.png").stat().st_size > 0
+    assert (tmp_path / "smoke-time_vs_p.png").stat().st_size > 0
+
+
+def test_unknown_method_is_refused():
+    with pytest.raises(SystemExit, match="unknown method"):
+        main(["bench", "--device", "cpu", "--methods", "dense,nope"])

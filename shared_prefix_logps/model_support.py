@@ -154,6 +154,13 @@ def _install_attention(causal_lm) -> None:
             f"{type(causal_lm).__name__} uses attn_implementation={current!r}; load it with 'sdpa' or 'eager' "
             "(the shared-prefix path brings its own attention for the prompt and completion phases)"
         )
+    if current == "sdpa" and getattr(config, "attn_logit_softcapping", None) is not None:
+        # transformers' sdpa path cannot softcap attention scores: older versions drop the softcap silently (the
+        # model's own dense numbers are then not the model's math), newer ones raise.
+        raise UnsupportedModelError(
+            f"{type(causal_lm).__name__} has attn_logit_softcapping but runs attn_implementation='sdpa', which does "
+            "not apply it; load the model with attn_implementation='eager'"
+        )
     attention.remember_original_implementation(config, current or "eager")
     causal_lm.set_attn_implementation(attention.ATTENTION_NAME)
 

@@ -78,4 +78,6 @@ def build_preset(name: str, *, dtype: torch.dtype = torch.float32, device="cpu",
     torch.manual_seed(seed)
     with torch.device(device):
         model = model_cls(config_cls(**common))
+    if getattr(model.config, "attn_logit_softcapping", None) is not None:
+        model.set_attn_implementation("eager")  # sdpa cannot softcap attention scores
     return model.to(dtype)

@@ -130,3 +130,10 @@ def test_flash_style_implementation_is_refused():
     model.config._attn_implementation_internal = "flex_attention"
     with pytest.raises(UnsupportedModelError, match="attn_implementation='flex_attention'"):
         compute_logps(model, P, C)
+
+
+def test_attention_softcap_under_sdpa_is_refused():
+    model = build_model("gemma2")
+    model.config._attn_implementation_internal = "sdpa"
+    with pytest.raises(UnsupportedModelError, match="attn_implementation='eager'"):
+        compute_logps(model, P, C)

@@ -62,6 +62,10 @@ def build_model(
         raise ValueError(f"unknown family {family!r}")
     torch.manual_seed(seed)
     model = cls(config).to(dtype)
+    if family == "gemma2":
+        # Attention softcapping needs the eager implementation (some transformers versions default to sdpa,
+        # which ignores it).
+        model.set_attn_implementation("eager")
     model.eval()
     return model
 

@@ -60,15 +60,7 @@ def compute_logps(
     """
     check_options(temperature, backend, token_budget)
     prepared = prepare_model(model)
-    batch = group_batch(
-        prompts,
-        completions,
-        prompt_mask,
-        completion_mask,
-        device=prepared.device,
-        input_vocab_size=prepared.input_vocab_size,
-        output_vocab_size=prepared.output_vocab_size,
-    )
+    batch = group_batch(prompts, completions, prompt_mask, completion_mask, model=prepared)
     return run_batch(
         prepared,
         batch,
@@ -107,14 +99,7 @@ def compute_logps_concatenated(
     """
     check_options(temperature, backend, token_budget)
     prepared = prepare_model(model)
-    batch = split_concatenated(
-        input_ids,
-        attention_mask,
-        logits_to_keep,
-        device=prepared.device,
-        input_vocab_size=prepared.input_vocab_size,
-        output_vocab_size=prepared.output_vocab_size,
-    )
+    batch = split_concatenated(input_ids, attention_mask, logits_to_keep, model=prepared)
     return run_batch(
         prepared,
         batch,

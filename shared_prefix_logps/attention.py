@@ -102,13 +102,7 @@ def _shared_expand_attention(module, query, key, value, context: SharedContext, 
     capture = context.capture
     if capture is None:
         return masked_attention(query, key, value, own_mask, **options)
-    try:
-        prefix_key, prefix_value = capture.kv[module]
-    except KeyError:
-        raise ValueError(
-            f"attention layer {type(module).__name__} was not seen while the prompts were forwarded; "
-            "this model's layers cannot share a prefix"
-        ) from None
+    prefix_key, prefix_value = capture.kv_of(module)
     rows = context.group_index
     keys = torch.cat([prefix_key[rows], key], dim=2)
     values = torch.cat([prefix_value[rows], value], dim=2)

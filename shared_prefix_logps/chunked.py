@@ -64,15 +64,7 @@ def chunked_backward(
     if not torch.is_grad_enabled():
         raise RuntimeError("chunked_backward runs backward passes; call it with gradients enabled")
     prepared = prepare_model(model)
-    batch = group_batch(
-        prompts,
-        completions,
-        prompt_mask,
-        completion_mask,
-        device=prepared.device,
-        input_vocab_size=prepared.input_vocab_size,
-        output_vocab_size=prepared.output_vocab_size,
-    )
+    batch = group_batch(prompts, completions, prompt_mask, completion_mask, model=prepared)
     rows, length = batch.completion_ids.shape
     num_prompts = batch.prompt_ids.shape[0]
     generations = rows // num_prompts

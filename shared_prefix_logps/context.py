@@ -44,6 +44,16 @@ class CaptureContext:
     kv: dict = field(default_factory=dict)
     masks: dict = field(default_factory=dict)
 
+    def kv_of(self, module) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (key, value) recorded for attention ``module``; a clear error if Phase 1 never reached it."""
+        try:
+            return self.kv[module]
+        except KeyError:
+            raise ValueError(
+                f"attention layer {type(module).__name__} was not seen while the prompts were forwarded; "
+                "this model's layers cannot share a prefix"
+            ) from None
+
 
 @dataclass(eq=False)
 class SharedContext:

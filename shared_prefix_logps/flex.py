@@ -114,13 +114,7 @@ def packed_shared_attention(module, query, key, value, context: SharedContext, w
     n = query.shape[2]
     capture = context.capture
     if capture is not None:
-        try:
-            prefix_key, prefix_value = capture.kv[module]
-        except KeyError:
-            raise ValueError(
-                f"attention layer {type(module).__name__} was not seen while the prompts were forwarded; "
-                "this model's layers cannot share a prefix"
-            ) from None
+        prefix_key, prefix_value = capture.kv_of(module)
         key = torch.cat([prefix_key, key], dim=2)
         value = torch.cat([prefix_value, value], dim=2)
     num_prefix = key.shape[2] - n

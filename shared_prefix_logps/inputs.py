@@ -205,10 +205,13 @@ def normalize_completions(completions, completion_mask, *, device, vocab_size) -
     return _check_ids_in_vocab("completions", ids, mask, vocab_size), mask
 
 
-def group_batch(
-    prompts, completions, prompt_mask, completion_mask, *, device, input_vocab_size, output_vocab_size
-) -> GroupedBatch:
-    """Validate the ``compute_logps`` inputs: G = rows // prompts consecutive completions per prompt."""
+def group_batch(prompts, completions, prompt_mask, completion_mask, *, model) -> GroupedBatch:
+    """Validate the ``compute_logps`` inputs: G = rows // prompts consecutive completions per prompt.
+
+    ``model`` gives the device and vocabulary limits (``device``, ``input_vocab_size``, ``output_vocab_size``:
+    a :class:`~shared_prefix_logps.model_support.PreparedModel`).
+    """
+    device, input_vocab_size, output_vocab_size = model.device, model.input_vocab_size, model.output_vocab_size
     prompt_ids, prompt_mask = normalize_prompts(prompts, prompt_mask, device=device, vocab_size=input_vocab_size)
     completion_ids, completion_mask = normalize_completions(
         completions, completion_mask, device=device, vocab_size=min(input_vocab_size, output_vocab_size)
@@ -223,13 +226,13 @@ def group_batch(
     return GroupedBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, group_index)
 
 
-def split_concatenated(
-    input_ids, attention_mask, logits_to_keep, *, device, input_vocab_size, output_vocab_size
-) -> GroupedBatch:
+def split_concatenated(input_ids, attention_mask, logits_to_keep, *, model) -> GroupedBatch:
     """Split trainer-shaped rows ``[left-padded prompt | right-padded completion]`` and share identical prompts.
 
     Rows whose prompt part (ids under the mask, and the mask) is identical map to one prompt, whatever their order.
+    ``model`` gives the device and vocabulary limits, as for :func:`group_batch`.
     """
+    device, input_vocab_size, output_vocab_size = model.device, model.input_vocab_size, model.output_vocab_size
     ids, rows = _as_id_tensor("input_ids", input_ids, device)
     if ids is None:
         raise TypeError("input_ids must be a LongTensor (rows, prompt_len + completion_len)")

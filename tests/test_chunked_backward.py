@@ -3,7 +3,7 @@
 import pytest
 import torch
 from exactness import max_relative_grad_error, parameter_grads
-from tiny_models import build_model, make_batch
+from tiny_models import build_model, make_batch, randomize_lora
 
 from shared_prefix_logps import chunked_backward, compute_logps
 
@@ -51,10 +51,7 @@ def test_with_checkpointing_and_sliding_window():
 def test_with_lora():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(build_model("qwen2"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.2)
+    randomize_lora(model)
     _check_all_chunk_sizes(model, 4, return_entropy=False)
 
 

@@ -5,7 +5,7 @@ import functools
 import pytest
 import torch
 from exactness import compare_with_dense
-from tiny_models import build_model, make_batch
+from tiny_models import build_model, make_batch, randomize_lora
 
 from shared_prefix_logps import compute_logps
 from shared_prefix_logps.attention import ReentrantCheckpointError
@@ -84,10 +84,7 @@ def test_lora_matches_dense_and_reference_from_disabled_adapter():
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
     model = peft.get_peft_model(base, config)
     # Non-zero adapter weights, so the adapter changes the numbers and its gradients are all non-trivial.
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.2)
+    randomize_lora(model)
     logps_err, entropy_err, grad_err = _compare(model, temperature=0.7, return_entropy=True)
     assert logps_err <= 1e-5 and entropy_err <= 1e-5 and grad_err <= 1e-4
 
@@ -106,10 +103,7 @@ def test_lora_matches_dense_and_reference_from_disabled_adapter():
 def test_lora_with_checkpointing():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(build_model("mistral"), peft.LoraConfig(r=2, target_modules=["k_proj", "o_proj"]))
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.2)
+    randomize_lora(model)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     logps_err, _, grad_err = _compare(model, temperature=0.7)

@@ -93,3 +93,13 @@ def make_batch(num_prompts: int, generations: int, prompt_len: int, completion_l
     completion_mask = torch.arange(completion_len)[None, :] < comp_lengths[:, None]
     completions = completions.masked_fill(~completion_mask, 0)
     return prompts, prompt_mask, completions, completion_mask
+
+
+def randomize_lora(model, std: float = 0.2):
+    """Give a PEFT model's LoRA B matrices non-zero values (PEFT starts them at zero), so the adapter changes the
+    numbers and every adapter gradient is non-trivial."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, std)
+    return model

@@ -1,0 +1,450 @@
+"""``mode="chunked"``: each TRL micro-batch's forward and backward run through ``chunked_backward``.
+
+What stays TRL's: the training loop (transformers' ``Trainer``: optimizer, LR scheduler, gradient clipping,
+``global_step``), ``GRPOTrainer.training_step`` (``self._step`` bookkeeping, step time), ``_prepare_inputs``
+(generation, buffering, shuffling) and every logged metric. The patch swaps, for the duration of one
+``training_step`` call only, the two things in between:
+
+- ``trainer.compute_loss``: instead of one graph over the micro-batch, the rows are regrouped by prompt and
+  ``chunked_backward`` runs forward+backward chunk by chunk with ``shared_prefix_logps.losses.grpo_loss`` under
+  ``trl_micro_batch_counts``, so that the chunk losses sum to exactly TRL's micro-batch loss (its per-micro-batch
+  normalizers, ``/ gradient_accumulation_steps`` included). It returns TRL's own loss value, computed by TRL's
+  ``_compute_loss`` on the (detached) log-probs, which also logs every metric once per micro-batch as usual;
+- ``trainer.accelerator.backward``: skipped for that returned (already back-propagated) loss.
+
+The loss gradient is checked against TRL's own on the first micro-batch (``self_check``): TRL's ``_compute_loss``
+is differentiated with respect to leaf log-probs/entropies and compared with ``grpo_loss``'s gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..api import compute_logps_concatenated
+from ..chunked import chunked_backward
+from ..losses import grpo_loss, trl_micro_batch_counts
+from ._trl_utils import (
+    AutocastForward,
+    SelfCheckError,
+    compare,
+    dropout_active,
+    instance_attribute,
+    layout_problem,
+)
+
+# Input keys of multimodal batches; the chunked path only serves text.
+_MULTIMODAL_KEYS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+# Trainer attributes the loss reproduction reads (TRL 1.15 / 1.16 names).
+REQUIRED_TRAINER_ATTRIBUTES = (
+    "loss_type",
+    "epsilon_low",
+    "epsilon_high",
+    "beta",
+    "importance_sampling_level",
+    "top_entropy_quantile",
+    "off_policy_mask_threshold",
+    "max_completion_length",
+    "temperature",
+    "get_high_entropy_mask",
+    "_compute_loss",
+)
+REQUIRED_ARGS = (
+    "delta",
+    "use_bias_correction_kl",
+    "steps_per_generation",
+    "sapo_temperature_pos",
+    "sapo_temperature_neg",
+    "vespo_k_pos",
+    "vespo_lambda_pos",
+    "vespo_k_neg",
+    "vespo_lambda_neg",
+)
+
+
+def regroup_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Group a shuffled micro-batch's rows by identical prompt, bucketed by group size.
+
+    ``chunked_backward`` takes G consecutive completion rows per prompt; a TRL micro-batch has its rows shuffled
+    and may hold only part of a group (groups are split over micro-batches and processes), so group sizes differ.
+    Each bucket holds the groups of one size g and is served by one ``chunked_backward`` call with G = g; every
+    prompt still goes through the model once.
+
+    Args:
+        prompt_ids: (B, P) int64, left-padded. prompt_mask: (B, P) 0/1 or bool.
+
+    Returns:
+        List of ``(first_rows, rows)``: ``first_rows`` (n,) int64 one row per prompt of the bucket (its prompt is
+        ``prompt_ids[first_rows]``), ``rows`` (n * g,) int64 the micro-batch rows, g consecutive per prompt, in
+        their original order within a group.
+    """
+    key = prompt_ids.masked_fill(prompt_mask == 0, -1)  # pad != any real token id
+    _, group = torch.unique(key, dim=0, return_inverse=True)
+    sizes = torch.bincount(group)
+    row_size = sizes[group]
+    # Sort rows by (group size, group), stable: rows of one group become consecutive, in their original order.
+    order = torch.argsort(row_size * sizes.numel() + group, stable=True)
+    buckets = []
+    start = 0
+    sorted_sizes = row_size[order].tolist()
+    while start < len(sorted_sizes):
+        size = sorted_sizes[start]
+        count = sorted_sizes.count(size)  # sizes are sorted: this bucket is one contiguous run
+        rows = order[start : start + count]
+        buckets.append((rows[::size], rows))
+        start += count
+    return buckets
+
+
+def entropy_coefficient(trainer) -> float:
+    """The entropy-bonus coefficient TRL's ``_compute_loss`` applies to this micro-batch.
+
+    Read before TRL's own ``_compute_loss`` runs for the metrics: the adaptive controller may update it there, and
+    the update is meant for the next optimizer step.
+    """
+    if not getattr(trainer, "_entropy_bonus_enabled", False):
+        return 0.0
+    if getattr(trainer, "use_adaptive_entropy", False):
+        return trainer.entropy_coef if trainer._last_world_entropy <= trainer.args.entropy_target else 0.0
+    return float(trainer.entropy_coef)
+
+
+def loss_settings(trainer) -> dict:
+    """The static ``grpo_loss`` keyword arguments from the trainer's attributes (TRL names in brackets)."""
+    args = trainer.args
+    return dict(
+        loss_type=trainer.loss_type,
+        epsilon_low=trainer.epsilon_low,
+        epsilon_high=trainer.epsilon_high,
+        delta=args.delta,
+        beta=trainer.beta,
+        use_bias_correction_kl=args.use_bias_correction_kl,
+        importance_sampling_level=trainer.importance_sampling_level,
+        off_policy_mask_threshold=trainer.off_policy_mask_threshold,
+        sapo_temperature_pos=args.sapo_temperature_pos,
+        sapo_temperature_neg=args.sapo_temperature_neg,
+        vespo_k_pos=args.vespo_k_pos,
+        vespo_lambda_pos=args.vespo_lambda_pos,
+        vespo_k_neg=args.vespo_k_neg,
+        vespo_lambda_neg=args.vespo_lambda_neg,
+        max_completion_length=trainer.max_completion_length,
+    )
+
+
+class MicroBatchLoss:
+    """TRL's micro-batch loss as a function of any subset of its rows; summed over a partition of the rows it is
+    TRL's loss of the whole micro-batch (``trl_micro_batch_counts``)."""
+
+    def __init__(self, trainer, inputs, loss_mask, entropy_mask):
+        self.settings = loss_settings(trainer)
+        self.entropy_coef = entropy_coefficient(trainer)
+        self.loss_mask = loss_mask
+        self.entropy_mask = entropy_mask
+        self.counts = trl_micro_batch_counts(
+            loss_mask,
+            loss_type=trainer.loss_type,
+            num_items_in_batch=inputs["num_items_in_batch"],
+            current_gradient_accumulation_steps=trainer.current_gradient_accumulation_steps,
+            steps_per_generation=trainer.args.steps_per_generation,
+            num_processes=trainer.accelerator.num_processes,
+            entropy_mask=entropy_mask,
+            training=True,
+        )
+        self.advantages = inputs["advantages"]
+        self.old = inputs.get("old_per_token_logps")
+        self.ref = inputs.get("ref_per_token_logps") if trainer.beta != 0.0 else None
+        self.sampling = inputs.get("sampling_per_token_logps")
+        if trainer.loss_type == "vespo":
+            self.is_ratio = inputs.get("importance_sampling_ratio")
+        elif getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False):
+            self.is_ratio = inputs["importance_sampling_ratio"]
+        else:
+            self.is_ratio = None
+
+    def __call__(self, logps: torch.Tensor, entropies: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Loss of micro-batch ``rows`` (k,) given their (k, C) log-probs and entropies (differentiable)."""
+
+        def take(tensor):
+            return None if tensor is None else tensor[rows]
+
+        out = grpo_loss(
+            logps,
+            take(self.old),
+            self.advantages[rows],
+            self.loss_mask[rows],
+            ref_per_token_logps=take(self.ref),
+            importance_sampling_ratio=take(self.is_ratio),
+            sampling_per_token_logps=take(self.sampling),
+            entropy_mask=take(self.entropy_mask),
+            entropies=entropies,
+            entropy_coef=self.entropy_coef,
+            **self.counts,
+            **self.settings,
+        )
+        return out.loss
+
+
+def unsupported_reason(trainer, model, inputs) -> str | None:
+    """Why this micro-batch cannot take the chunked path (it then runs TRL's own), or None."""
+    if not torch.is_grad_enabled() or not trainer.model.training:
+        return "not training"
+    if getattr(trainer, "aux_loss_enabled", False):
+        return "MoE router aux loss"
+    present = [key for key in _MULTIMODAL_KEYS if inputs.get(key) is not None]
+    if present:
+        return f"multimodal inputs ({', '.join(present)})"
+    for key in ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages", "num_items_in_batch"):
+        if key not in inputs:
+            return f"inputs without {key!r}"
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    return layout_problem(input_ids, attention_mask, inputs["completion_ids"].shape[1])
+
+
+def _unwrap_ddp(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.module, model
+    return model, None
+
+
+def average_gradients(parameters: list[nn.Parameter], process_group=None, bucket_bytes: int = 25 * 2**20) -> None:
+    """All-reduce-average ``.grad`` over processes, as DDP does at a synchronizing backward.
+
+    The chunked path runs the module inside DDP directly (several forwards and backwards per micro-batch would
+    otherwise all-reduce once per backward), so it averages the accumulated gradients itself at the accumulation
+    boundary. Every process passes the same parameters in the same order; missing gradients count as zeros.
+    """
+    world = dist.get_world_size(process_group)
+    grads = []
+    for parameter in parameters:
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+        grads.append(parameter.grad)
+    bucket, size = [], 0
+    for grad in grads + [None]:
+        flush = grad is None or (bucket and (size >= bucket_bytes or grad.dtype != bucket[0].dtype))
+        if flush and bucket:
+            flat = torch.cat([g.reshape(-1) for g in bucket]).div_(world)
+            dist.all_reduce(flat, group=process_group)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            bucket, size = [], 0
+        if grad is not None:
+            bucket.append(grad)
+            size += grad.numel() * grad.element_size()
+
+
+class ChunkedStep:
+    """Installed as ``trainer.training_step``: TRL's own training step around a chunked forward+backward."""
+
+    def __init__(self, patch, original_training_step, logps_patch):
+        self.patch = patch
+        self.original_training_step = original_training_step
+        self.logps_patch = logps_patch
+        self.skip_backward = False
+        self.checked = False
+        self.previous_compute_loss = None
+        self.previous_backward = None
+
+    def __call__(self, model, inputs, *args, **kwargs):
+        trainer = self.patch.trainer
+        self.previous_compute_loss = trainer.compute_loss
+        self.previous_backward = trainer.accelerator.backward
+        self.skip_backward = False
+        with (
+            instance_attribute(trainer, "compute_loss", self.compute_loss),
+            instance_attribute(trainer.accelerator, "backward", self.backward),
+        ):
+            return self.original_training_step(model, inputs, *args, **kwargs)
+
+    def backward(self, loss, **kwargs):
+        """``accelerator.backward`` during the step: the chunked loss was back-propagated already."""
+        if self.skip_backward:
+            self.skip_backward = False
+            return None
+        return self.previous_backward(loss, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        trainer = self.patch.trainer
+        reason = "return_outputs=True" if return_outputs else unsupported_reason(trainer, model, inputs)
+        if reason is not None:
+            stats = self.patch.stats
+            stats.fallback_reasons[f"chunked: {reason}"] = stats.fallback_reasons.get(f"chunked: {reason}", 0) + 1
+            self.patch.warn(f"shared_prefix_logps: chunked backward not used for this micro-batch: {reason}")
+            return self.previous_compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
+        loss = self.forward_backward(model, inputs)
+        self.skip_backward = True
+        return loss
+
+    def forward_backward(self, model, inputs) -> torch.Tensor:
+        """Forward+backward of one micro-batch in chunks; returns TRL's (detached) loss value for logging."""
+        trainer, patch = self.patch.trainer, self.patch
+        accelerator = trainer.accelerator
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        loss_mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        rows, width = completion_ids.shape
+        temperature = float(trainer.temperature)
+        inner, ddp = _unwrap_ddp(model)
+        forward_model = AutocastForward(inner, accelerator.autocast)
+
+        entropy_mask = None
+        if trainer.top_entropy_quantile < 1.0:
+            # TRL's quantile is over the whole micro-batch (all processes) and must be known before any chunk's
+            # loss: score the micro-batch once without gradient (bounded memory), then mask with TRL's own method.
+            input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+            attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+            with torch.no_grad():
+                scored = compute_logps_concatenated(
+                    forward_model,
+                    input_ids,
+                    attention_mask,
+                    width,
+                    temperature=temperature,
+                    return_entropy=True,
+                    backend=patch.backend,
+                )
+            entropy_mask = trainer.get_high_entropy_mask(scored.entropy, loss_mask, 1 - trainer.top_entropy_quantile)
+        loss_of_rows = MicroBatchLoss(trainer, inputs, loss_mask, entropy_mask)
+
+        scale = 1.0 / accelerator.gradient_accumulation_steps  # 1 under Trainer; accelerate would divide by it
+        scaler = getattr(accelerator, "scaler", None)
+        logps = torch.zeros(rows, width, device=completion_ids.device)
+        entropies = torch.zeros_like(logps)
+        total = torch.zeros((), dtype=torch.float64, device=completion_ids.device)
+        for first_rows, bucket_rows in regroup_rows(prompt_ids, prompt_mask):
+            group_size = bucket_rows.numel() // first_rows.numel()
+
+            def loss_fn(chunk_out, local_rows, bucket_rows=bucket_rows):
+                nonlocal total
+                loss = loss_of_rows(chunk_out.logps, chunk_out.entropy, bucket_rows[local_rows])
+                total = total + loss.detach().double()
+                loss = loss * scale
+                return scaler.scale(loss) if scaler is not None else loss
+
+            out = chunked_backward(
+                forward_model,
+                prompt_ids[first_rows],
+                completion_ids[bucket_rows],
+                loss_fn,
+                generations_per_chunk=min(patch.generations_per_chunk, group_size),
+                prompt_mask=prompt_mask[first_rows],
+                completion_mask=completion_mask[bucket_rows],
+                temperature=temperature,
+                return_entropy=True,
+                backend=patch.backend,
+            )
+            logps[bucket_rows] = out.logps
+            entropies[bucket_rows] = out.entropy
+            patch.stats.chunked_calls += 1
+        if ddp is not None and accelerator.sync_gradients:
+            average_gradients([p for p in ddp.parameters() if p.requires_grad], ddp.process_group)
+
+        stats = patch.stats
+        stats.chunked_steps += 1
+        stats.shared_calls += 1
+        stats.record_batch(
+            torch.cat([prompt_ids, completion_ids], dim=1), torch.cat([prompt_mask, completion_mask], dim=1), width
+        )
+        check = patch.self_check and not self.checked
+        self.checked = True
+        trl_loss = self.trl_loss(inner, inputs, logps, entropies, loss_of_rows, check)
+        discrepancy = abs(float(total) - float(trl_loss)) / max(1.0, abs(float(trl_loss)))
+        stats.max_loss_discrepancy = max(stats.max_loss_discrepancy, discrepancy)
+        if check and not discrepancy <= 1e-4:
+            raise SelfCheckError(
+                f"shared_prefix_logps self-check failed: chunk losses sum to {float(total):.8g}, TRL's loss on the "
+                f"same log-probs is {float(trl_loss):.8g}"
+            )
+        if check and dropout_active(inner):
+            patch.warn("shared_prefix_logps: self-check of the chunked log-probs skipped: dropout is active")
+        elif check:
+            valid = completion_mask != 0
+            reference = self._original_logps(inner, prompt_ids, prompt_mask, completion_ids, completion_mask)
+            self.logps_patch.check_result("chunked logps (grad)", logps, entropies, reference, valid)
+        return trl_loss.detach()
+
+    def _original_logps(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+        """TRL's own log-probs and entropies of the micro-batch (no gradient), for the self-check."""
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        with torch.no_grad():
+            return self.logps_patch.original(
+                model, input_ids, attention_mask, completion_ids.shape[1], compute_entropy=True
+            )
+
+    def trl_loss(self, model, inputs, logps, entropies, loss_of_rows, check) -> torch.Tensor:
+        """TRL's ``_compute_loss`` on our (detached) log-probs: its loss value, and every metric logged once.
+
+        ``_get_per_token_logps_and_entropies`` is stubbed to return the given tensors, so no model runs. With
+        ``check``, the stubbed tensors are leaves and TRL's gradient with respect to them is compared with
+        ``grpo_loss``'s (this checks every argument and normalizer the chunked loss takes from the trainer).
+        """
+        trainer = self.patch.trainer
+        leaf_logps = logps.detach().clone().requires_grad_(check)
+        leaf_entropies = entropies.detach().clone().requires_grad_(check)
+        result = self.logps_patch.pack(leaf_logps, leaf_entropies)
+
+        def stub(*args, **kwargs):
+            return result
+
+        grad_mode = torch.enable_grad() if check else torch.no_grad()
+        with grad_mode, instance_attribute(trainer, "_get_per_token_logps_and_entropies", stub):
+            loss = trainer._compute_loss(model, inputs)
+        if check:
+            self._check_loss_gradient(loss, leaf_logps, leaf_entropies, loss_of_rows)
+        return loss.detach()
+
+    def _check_loss_gradient(self, trl_loss, leaf_logps, leaf_entropies, loss_of_rows) -> None:
+        trl_grads = torch.autograd.grad(trl_loss, [leaf_logps, leaf_entropies], allow_unused=True)
+        logps = leaf_logps.detach().clone().requires_grad_(True)
+        entropies = leaf_entropies.detach().clone().requires_grad_(True)
+        rows = torch.arange(logps.shape[0], device=logps.device)
+        ours = loss_of_rows(logps, entropies, rows)
+        our_grads = torch.autograd.grad(ours, [logps, entropies], allow_unused=True)
+        ours, trl_loss = float(ours.detach()), float(trl_loss.detach())
+
+        def dense(grad, like):
+            return torch.zeros_like(like) if grad is None else grad
+
+        trl_logp_grad, our_logp_grad = dense(trl_grads[0], logps), dense(our_grads[0], logps)
+        trl_ent_grad, our_ent_grad = dense(trl_grads[1], logps), dense(our_grads[1], logps)
+        scale = max(float(trl_logp_grad.abs().max()), float(trl_ent_grad.abs().max()), 1e-12)
+        valid = torch.ones_like(logps, dtype=torch.bool)
+        # Relative to the largest gradient entry: both are computed in float32 from the same numbers
+        check = compare(
+            "chunked loss gradient (relative)",
+            our_logp_grad / scale,
+            trl_logp_grad / scale,
+            valid,
+            (1e-4, 1e-5),
+            our_ent_grad / scale,
+            trl_ent_grad / scale,
+            detail=f"loss ours {ours:.8g} vs TRL {trl_loss:.8g}",
+        )
+        loss_ok = abs(ours - trl_loss) <= 1e-5 * max(1.0, abs(trl_loss))
+        check.passed = check.passed and loss_ok
+        self.patch.stats.self_checks.append(check)
+        if not check.passed:
+            raise SelfCheckError(
+                "shared_prefix_logps self-check failed: the chunked loss does not reproduce TRL's _compute_loss "
+                f"({check.detail}; max relative gradient difference {check.max_abs:.3g}). This TRL version or "
+                "trainer subclass computes its loss differently; use mode='logps'."
+            )

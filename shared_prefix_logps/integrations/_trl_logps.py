@@ -1,0 +1,173 @@
+"""The replacement for ``GRPOTrainer._get_per_token_logps_and_entropies``.
+
+TRL calls that method for the policy (with gradient, one micro-batch, rows shuffled), for the old policy and for the
+reference model (without gradient, whole generation batches, groups consecutive). Each call gets trainer-shaped rows
+``[left-padded prompt | right-padded completion]``; :func:`~shared_prefix_logps.compute_logps_concatenated` forwards
+every distinct prompt once, whatever the row order, so sharing holds for partial and shuffled groups too.
+
+TRL does not apply the temperature in this method: its fused head (``add_fused_lm_head``) divides by the temperature
+it was given at construction. The patch reads ``trainer.temperature`` (the same value) and passes it on.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from ..api import compute_logps_concatenated
+from ..model_support import UnsupportedModelError, unwrap_causal_lm
+from ._trl_utils import AutocastForward, SelfCheckError, compare, dropout_active, eval_mode, layout_problem
+
+# Arguments the shared path understands; any other argument that is not None (images, token types ...) falls back.
+_HANDLED = ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy")
+
+
+def result_arity(original) -> int:
+    """How many values the installed TRL's method returns: 3 ``(logps, entropies, aux_loss)`` since the MoE aux loss
+    argument exists (1.x), 2 ``(logps, entropies)`` before. The self-check confirms it on the first call."""
+    try:
+        parameters = inspect.signature(original).parameters
+    except (TypeError, ValueError):
+        return 3
+    return 3 if "compute_aux_loss" in parameters else 2
+
+
+def compute_dtype(trainer, model) -> torch.dtype:
+    """The dtype the model's matmuls run in: the autocast dtype under mixed precision, else the weights'."""
+    precision = str(getattr(trainer.accelerator, "mixed_precision", "no"))
+    if precision == "bf16":
+        return torch.bfloat16
+    if precision == "fp16":
+        return torch.float16
+    try:
+        return unwrap_causal_lm(model).get_input_embeddings().weight.dtype
+    except (UnsupportedModelError, AttributeError):
+        return torch.float32
+
+
+class LogpsPatch:
+    """Callable installed as ``trainer._get_per_token_logps_and_entropies``.
+
+    Returns exactly what the original returns (a 3-tuple in TRL 1.x): ``logps`` (N, C) float32 with 0 at masked
+    positions, differentiable under grad; ``entropies`` (N, C) float32 or None; ``aux_loss`` None.
+    """
+
+    def __init__(self, patch, original):
+        self.patch = patch  # the GRPOPatch handle: trainer, options, stats, warn-once
+        self.original = original  # the bound method (or whatever the instance held) before patching
+        try:
+            self.signature = inspect.signature(original)
+        except (TypeError, ValueError):
+            self.signature = None
+        self.arity = result_arity(original)
+        self.checked: set[str] = set()
+
+    def __call__(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        arguments, reason = self._bind(model, input_ids, attention_mask, logits_to_keep, args, kwargs)
+        if reason is None:
+            reason = layout_problem(input_ids, attention_mask, logits_to_keep)
+        if reason is not None:
+            return self.fallback(reason, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        compute_entropy = bool(arguments.get("compute_entropy", False))
+        try:
+            out = self.compute(model, input_ids, attention_mask, logits_to_keep, compute_entropy)
+        except UnsupportedModelError as error:
+            return self.fallback(
+                f"unsupported model ({error})", model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+            )
+        stats = self.patch.stats
+        stats.shared_calls += 1
+        stats.record_batch(input_ids, attention_mask, logits_to_keep)
+        result = self.pack(out.logps, out.entropy)
+        key = "logps (grad)" if torch.is_grad_enabled() else "logps (no grad)"
+        if self.patch.self_check and key not in self.checked:
+            self.checked.add(key)
+            self.self_check(key, model, input_ids, attention_mask, logits_to_keep, args, kwargs, out, compute_entropy)
+        return result
+
+    def compute(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy):
+        """The shared-prefix log-probs of a trainer-shaped batch, under the trainer's autocast."""
+        trainer = self.patch.trainer
+        return compute_logps_concatenated(
+            AutocastForward(model, trainer.accelerator.autocast),
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            temperature=float(trainer.temperature),
+            return_entropy=compute_entropy,
+            backend=self.patch.backend,
+        )
+
+    def pack(self, logps, entropy):
+        """The tuple the installed TRL returns."""
+        return (logps, entropy, None) if self.arity == 3 else (logps, entropy)
+
+    def fallback(self, reason, *args, **kwargs):
+        stats = self.patch.stats
+        stats.fallback_calls += 1
+        stats.fallback_reasons[reason] = stats.fallback_reasons.get(reason, 0) + 1
+        self.patch.warn(f"shared_prefix_logps: falling back to TRL's own log-prob computation: {reason}")
+        return self.original(*args, **kwargs)
+
+    def _bind(self, model, input_ids, attention_mask, logits_to_keep, args, kwargs):
+        """The call's arguments by name, and a reason to fall back (or None)."""
+        if self.signature is None:
+            return {}, "unknown signature of the original method"
+        try:
+            bound = self.signature.bind(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        except TypeError as error:
+            return {}, f"arguments this TRL version's method does not take ({error})"
+        arguments = bound.arguments
+        if arguments.get("compute_aux_loss"):
+            return arguments, "MoE router aux loss requested (compute_aux_loss=True)"
+        extra = sorted(
+            name
+            for name, value in arguments.items()
+            if name not in _HANDLED and name != "compute_aux_loss" and value is not None
+        )
+        if extra:
+            return arguments, f"inputs the shared path does not handle ({', '.join(extra)})"
+        return arguments, None
+
+    def self_check(self, key, model, input_ids, attention_mask, logits_to_keep, args, kwargs, out, compute_entropy):
+        """Compare with the original method on this batch; raise :class:`SelfCheckError` on mismatch.
+
+        Both run without gradient. With dropout active the two forwards would draw different masks, so both are
+        then recomputed in eval mode.
+        """
+        with torch.no_grad():
+            if dropout_active(model):
+                with eval_mode(model):
+                    ours = self.compute(model, input_ids, attention_mask, logits_to_keep, compute_entropy)
+                    reference = self.original(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+                detail = "(dropout active: compared in eval mode)"
+            else:
+                ours = out
+                reference = self.original(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+                detail = ""
+        self.check_result(key, ours.logps, ours.entropy, reference, attention_mask[:, -logits_to_keep:] != 0, detail)
+
+    def check_result(self, key, logps, entropy, reference, valid, detail=""):
+        """Compare ``logps``/``entropy`` with the original method's result ``reference``; record and raise."""
+        patch = self.patch
+        if not isinstance(reference, tuple) or len(reference) != self.arity:
+            raise SelfCheckError(
+                f"{key}: the original method returned {type(reference).__name__} of length "
+                f"{len(reference) if isinstance(reference, tuple) else '?'}, the patch returns {self.arity} values"
+            )
+        ref_logps, ref_entropy = reference[0], reference[1]
+        if ref_logps.shape != logps.shape:
+            raise SelfCheckError(f"{key}: shapes differ: ours {tuple(logps.shape)}, TRL's {tuple(ref_logps.shape)}")
+        tolerance = patch.tolerance(self.patch.trainer.model)
+        check = compare(key, logps, ref_logps, valid, tolerance, entropy, ref_entropy, detail)
+        if ref_logps.dtype != logps.dtype:
+            check.detail = f"{check.detail} dtype ours {logps.dtype} vs TRL's {ref_logps.dtype}".strip()
+        patch.stats.self_checks.append(check)
+        if not check.passed:
+            raise SelfCheckError(
+                f"shared_prefix_logps self-check failed for {key}: max |logp diff| {check.max_abs:.3g}, mean "
+                f"{check.mean_abs:.3g}, max |entropy diff| {check.max_abs_entropy}, tolerance {tolerance}. The "
+                "patched trainer would optimize different numbers than TRL; unpatch it (unpatch_grpo_trainer) and "
+                "report the model and config."
+            )

@@ -1,0 +1,206 @@
+"""One-line plug-in for TRL's ``GRPOTrainer`` (tested with TRL 1.15.0 and 1.16.0).
+
+```python
+from shared_prefix_logps.integrations.trl import patch_grpo_trainer
+
+trainer = GRPOTrainer(...)
+patch = patch_grpo_trainer(trainer)                    # log-probs: each prompt forwarded once
+# patch = patch_grpo_trainer(trainer, mode="chunked")  # ... and a backward whose memory does not grow with G
+trainer.train()
+print(patch.stats.summary())
+```
+
+``mode="logps"`` replaces ``trainer._get_per_token_logps_and_entropies`` on the instance (policy, old-policy and
+reference log-probs). ``mode="chunked"`` does that and also runs each micro-batch's forward+backward through
+``shared_prefix_logps.chunked_backward``; optimizer steps, LR schedule, ``global_step`` and logged metrics stay
+TRL's. See the module docstrings of ``_trl_logps`` and ``_trl_chunked`` for how.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..model_support import prepare_model
+from ._trl_chunked import REQUIRED_ARGS, REQUIRED_TRAINER_ATTRIBUTES, ChunkedStep
+from ._trl_logps import LogpsPatch, compute_dtype
+from ._trl_utils import (
+    PatchStats,
+    SelfCheck,
+    SelfCheckError,
+    WarnOnce,
+    default_tolerance,
+    install_fp32_head,
+    remove_fp32_head,
+)
+
+__all__ = ["GRPOPatch", "PatchStats", "SelfCheck", "SelfCheckError", "patch_grpo_trainer", "unpatch_grpo_trainer"]
+
+MODES = ("logps", "chunked")
+_PATCH_ATTRIBUTE = "_shared_prefix_logps_patch"
+_MISSING = object()
+
+
+@dataclass
+class GRPOPatch:
+    """Handle returned by :func:`patch_grpo_trainer` (also stored on the trainer); ``stats`` shows what it did.
+
+    Attributes:
+        trainer: the patched trainer.
+        mode: ``"logps"`` or ``"chunked"``.
+        self_check: compare the first batch(es) with the unpatched trainer and raise on mismatch.
+        backend: completion-attention backend of the shared path (``"auto"``, ``"expand"``, ``"flex"``).
+        generations_per_chunk: chunked mode: generations of each prompt per chunk (memory grows with it).
+        self_check_tolerance: ``(max_abs, mean_abs)`` bounds on log-prob/entropy differences; None picks them from
+            the compute dtype (:func:`~shared_prefix_logps.integrations._trl_utils.default_tolerance`).
+        stats: counters and self-check results.
+    """
+
+    trainer: object
+    mode: str
+    self_check: bool
+    backend: str
+    generations_per_chunk: int
+    self_check_tolerance: tuple[float, float] | None
+    stats: PatchStats = field(default_factory=PatchStats)
+    warn: WarnOnce = field(default_factory=WarnOnce, repr=False)
+    # instance attributes the patch replaced: name -> what the instance held before (or _MISSING)
+    replaced: dict = field(default_factory=dict, repr=False)
+    fp32_heads: list = field(default_factory=list, repr=False)
+    logps: LogpsPatch | None = field(default=None, repr=False)
+
+    def tolerance(self, model) -> tuple[float, float]:
+        if self.self_check_tolerance is not None:
+            return tuple(self.self_check_tolerance)
+        return default_tolerance(compute_dtype(self.trainer, model))
+
+
+def patch_grpo_trainer(
+    trainer,
+    *,
+    mode: str = "logps",
+    self_check: bool = True,
+    backend: str = "auto",
+    generations_per_chunk: int = 1,
+    self_check_tolerance: tuple[float, float] | None = None,
+) -> GRPOPatch:
+    """Route a TRL ``GRPOTrainer``'s log-prob computation through the shared-prefix path (patches the instance).
+
+    Args:
+        trainer: a constructed ``trl.GRPOTrainer`` (not yet trained, or between ``train`` calls).
+        mode: ``"logps"``: every ``_get_per_token_logps_and_entropies`` call (policy with gradient, old policy,
+            reference model) forwards each distinct prompt once. ``"chunked"``: additionally, each micro-batch's
+            forward and backward run in chunks of ``generations_per_chunk`` generations per prompt
+            (``chunked_backward``), so activation memory does not grow with the number of generations.
+        self_check: compare the first call of each kind (and, chunked, the first micro-batch's log-probs and loss
+            gradient) with the unpatched trainer; raise :class:`SelfCheckError` on mismatch. Costs one extra
+            TRL forward per kind, once.
+        backend: completion-attention backend (``"auto"``: flex on CUDA, expand elsewhere).
+        generations_per_chunk: chunked mode only; >= 1.
+        self_check_tolerance: override the ``(max_abs, mean_abs)`` bounds of the log-prob comparison.
+
+    Returns:
+        The :class:`GRPOPatch` handle (also ``trainer._shared_prefix_logps_patch``).
+
+    Raises:
+        UnsupportedModelError: the policy or reference model cannot take the shared path.
+        NotImplementedError: ``mode="chunked"`` under DeepSpeed, FSDP or Megatron, with an MoE aux loss, a LOMO
+            optimizer, or a trainer subclass that overrides ``_compute_loss``.
+        ValueError / TypeError: bad options, or not a GRPOTrainer, or already patched.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if backend not in ("auto", "expand", "flex"):
+        raise ValueError(f"backend must be 'auto', 'expand' or 'flex', got {backend!r}")
+    if isinstance(generations_per_chunk, bool) or not isinstance(generations_per_chunk, int):
+        raise TypeError(f"generations_per_chunk must be an int, got {type(generations_per_chunk).__name__}")
+    if generations_per_chunk < 1:
+        raise ValueError(f"generations_per_chunk must be >= 1, got {generations_per_chunk}")
+    for name in ("_get_per_token_logps_and_entropies", "temperature", "accelerator", "args", "model"):
+        if not hasattr(trainer, name):
+            raise TypeError(f"expected a trl GRPOTrainer; {type(trainer).__name__} has no {name!r}")
+    if getattr(trainer, _PATCH_ATTRIBUTE, None) is not None:
+        raise ValueError("this trainer is patched already; call unpatch_grpo_trainer(trainer) first")
+    if mode == "chunked":
+        _check_chunked_supported(trainer)
+
+    patch = GRPOPatch(
+        trainer=trainer,
+        mode=mode,
+        self_check=bool(self_check),
+        backend=backend,
+        generations_per_chunk=generations_per_chunk,
+        self_check_tolerance=self_check_tolerance,
+    )
+    # Prepare the models now (attention function, head proxy, one head check per class): unsupported models fail
+    # here, and the float32 head shim needs the proxy in place.
+    for model in (trainer.model, getattr(trainer, "ref_model", None)):
+        if model is None:
+            continue
+        prepared = prepare_model(model)
+        if getattr(trainer.args, "cast_lm_head_to_fp32", False) and install_fp32_head(prepared.head.lm_head):
+            patch.fp32_heads.append(prepared.head.lm_head)
+
+    original = trainer._get_per_token_logps_and_entropies
+    patch.logps = LogpsPatch(patch, original)
+    _replace(trainer, patch, "_get_per_token_logps_and_entropies", patch.logps)
+    if mode == "chunked":
+        _replace(trainer, patch, "training_step", ChunkedStep(patch, trainer.training_step, patch.logps))
+    setattr(trainer, _PATCH_ATTRIBUTE, patch)
+    return patch
+
+
+def unpatch_grpo_trainer(trainer) -> None:
+    """Undo :func:`patch_grpo_trainer`: the trainer's methods are its own again.
+
+    The models keep the shared-prefix attention function and lm_head proxy (both pass through to the original
+    implementations outside a shared-prefix call), so generation and TRL's forwards are unaffected.
+    """
+    patch = getattr(trainer, _PATCH_ATTRIBUTE, None)
+    if patch is None:
+        raise ValueError("this trainer is not patched")
+    for name, previous in patch.replaced.items():
+        if previous is _MISSING:
+            trainer.__dict__.pop(name, None)
+        else:
+            setattr(trainer, name, previous)
+    for lm_head in patch.fp32_heads:
+        remove_fp32_head(lm_head)
+    delattr(trainer, _PATCH_ATTRIBUTE)
+
+
+def _replace(trainer, patch: GRPOPatch, name: str, value) -> None:
+    patch.replaced[name] = trainer.__dict__.get(name, _MISSING)
+    setattr(trainer, name, value)
+
+
+def _check_chunked_supported(trainer) -> None:
+    """Refuse configurations the chunked step cannot reproduce exactly, with the reason."""
+    from accelerate.utils import DistributedType
+
+    kind = trainer.accelerator.distributed_type
+    if kind in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM):
+        raise NotImplementedError(
+            f"mode='chunked' does not support {kind}: its engine steps or reduce-scatters per backward call, and "
+            "chunked backward calls backward several times per micro-batch. Use mode='logps'."
+        )
+    missing = [name for name in REQUIRED_TRAINER_ATTRIBUTES if not hasattr(trainer, name)]
+    missing += [f"args.{name}" for name in REQUIRED_ARGS if not hasattr(trainer.args, name)]
+    if missing:
+        raise NotImplementedError(
+            f"mode='chunked' reproduces TRL 1.15/1.16's GRPO loss; this trainer lacks {', '.join(missing)}. "
+            "Use mode='logps'."
+        )
+    if getattr(trainer, "aux_loss_enabled", False):
+        raise NotImplementedError("mode='chunked' does not compute the MoE router aux loss; use mode='logps'")
+    if "lomo" in str(getattr(trainer.args, "optim", "")).lower():
+        raise NotImplementedError("mode='chunked' does not support LOMO optimizers (they step inside backward)")
+    try:
+        from trl import GRPOTrainer
+    except ImportError:  # pragma: no cover - the trainer came from somewhere
+        GRPOTrainer = None
+    if GRPOTrainer is not None and isinstance(trainer, GRPOTrainer):
+        if type(trainer)._compute_loss is not GRPOTrainer._compute_loss:
+            raise NotImplementedError(
+                f"{type(trainer).__name__} overrides _compute_loss; mode='chunked' reproduces GRPOTrainer's loss "
+                "only. Use mode='logps'."
+            )

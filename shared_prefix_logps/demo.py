@@ -78,11 +78,13 @@ def main(argv=None) -> dict:
     parser.add_argument("--completion-len", type=int, default=128 if cuda else 32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.set_num_threads(torch.get_num_threads())
     model = build_preset(args.preset, dtype=dtype, device=device)
     model.train()
     vocab = model.config.vocab_size

@@ -6,11 +6,14 @@ from shared_prefix_logps.demo import main
 
 
 def test_demo_default_shape(capsys):
-    if torch.cuda.is_available():
-        argv = ["--device", "cpu", "--preset", "tiny", "--prompt-len", "256", "--completion-len", "32"]
-    else:
-        argv = []
-    figures = main(argv)
+    argv = ["--device", "cpu", "--preset", "tiny", "--prompt-len", "256", "--completion-len", "32"]
+    # One thread: another process on a core then slows both paths alike instead of stalling the many small ops of
+    # the shared path at every thread barrier.
+    threads = torch.get_num_threads()
+    try:
+        figures = main([*argv, "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
     printed = capsys.readouterr().out
     assert "tokens forwarded: dense 9,216  shared 2,048" in printed
     assert figures["max_abs_diff"] <= 1e-5

@@ -36,12 +36,12 @@ $PY benchmarks/bench_kernels.py 2>&1 | tee "$OUT/kernels.txt" || status=1
 
 echo "== standard sweep (qwen2.5-1.5b, C=512)"
 $PY -m shared_prefix_logps.cli bench --preset qwen2.5-1.5b --prompts 1 --prompt-len 1024 4096 16384 \
-    --completion-len 512 --generations 4 16 64 --methods dense,trl,kv_expand,expand,flex,chunked \
+    --completion-len 512 --generations 4 16 64 --methods dense,trl,kv_expand,prefix_grouper,liger,expand,flex,chunked \
     --workloads score,train --repeats 3 --output "$OUT" --name "$stem" || status=1
 
 echo "== largest G that fits (qwen2.5-7b, P=4096, C=1024)"
 $PY -m shared_prefix_logps.cli bench --preset qwen2.5-7b --prompts 1 --prompt-len 4096 --completion-len 1024 \
-    --generations 1 --methods dense,trl,kv_expand,expand,flex,chunked --workloads train --repeats 1 \
+    --generations 1 --methods dense,trl,kv_expand,prefix_grouper,liger,expand,flex,chunked --workloads train --repeats 1 \
     --max-generations --output "$OUT" --name "$stem-maxg-7b" || status=1
 
 exit $status

@@ -161,7 +161,7 @@ def main(argv=None) -> int:
     bench.add_argument("--prompt-len", type=int, nargs="+", default=[1024 if cuda else 64])
     bench.add_argument("--completion-len", type=int, nargs="+", default=[256 if cuda else 16])
     bench.add_argument("--generations", type=int, nargs="+", default=[8])
-    bench.add_argument("--methods", default="dense,trl,kv_expand,expand,flex,chunked")
+    bench.add_argument("--methods", default="dense,trl,kv_expand,prefix_grouper,liger,expand,flex,chunked")
     bench.add_argument("--workloads", default="score,train")
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--device", default="cuda" if cuda else "cpu")

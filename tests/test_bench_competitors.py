@@ -105,6 +105,7 @@ def test_liger_edge_cases_and_refuses_softcapped_heads():
 
 
 def test_uninstalled_competitor_is_reported(monkeypatch):
-    monkeypatch.delitem(METHODS, "liger", raising=False)
-    assert method_unavailable("liger", torch.device("cpu"), False).startswith("not installed")
+    step, needs_cuda, _ = METHODS["liger"]
+    monkeypatch.setitem(METHODS, "liger", (step, needs_cuda, lambda: False))
+    assert method_unavailable("liger", torch.device("cpu"), False) == "not installed (pip install liger-kernel)"
     assert method_unavailable("nope", torch.device("cpu"), False).startswith("unknown method")

@@ -203,8 +203,3 @@ COMPETITORS = {
     "prefix_grouper": (prefix_grouper_step, prefix_grouper_available, "prefix-grouper"),
     "liger": (liger_step, liger_available, "liger-kernel"),
 }
-
-
-def installed() -> dict:
-    """name -> (step, available) of the competitors whose package imports here."""
-    return {name: (step, available) for name, (step, available, _) in COMPETITORS.items() if available()}

@@ -135,7 +135,8 @@ def _trl_available() -> bool:
 
 #: name -> (step, needs CUDA for train, available). "dense" is the conventional full-row forward with
 #: trainers' usual ``logits_to_keep`` head; "trl" the same rows through TRL's fused chunked head.
-#: The competitors of :mod:`.competitors` ("prefix_grouper", "liger") are listed only when their package imports.
+#: The competitors of :mod:`.competitors` ("prefix_grouper", "liger") are always listed; they are skipped with
+#: "not installed" where their package does not import.
 METHODS: dict[str, tuple[Step, bool, Callable[[], bool]]] = {
     "dense": (_ours("dense"), False, lambda: True),
     "trl": (_trl_rows, False, _trl_available),
@@ -143,19 +144,18 @@ METHODS: dict[str, tuple[Step, bool, Callable[[], bool]]] = {
     "expand": (_ours("expand"), False, lambda: True),
     "flex": (_ours("flex"), True, lambda: True),
     "chunked": (_chunked, False, lambda: True),
-    **{name: (step, False, available) for name, (step, available) in competitors.installed().items()},
+    **{name: (step, False, available) for name, (step, available, _) in competitors.COMPETITORS.items()},
 }
 
 
 def method_unavailable(name: str, device: torch.device, train: bool) -> str | None:
     """Why ``name`` cannot run here, or None when it can."""
     if name not in METHODS:
-        if name in competitors.COMPETITORS:
-            return f"not installed (pip install {competitors.COMPETITORS[name][2]})"
         return f"unknown method {name!r}; choose from {', '.join(METHODS)}"
     _, needs_cuda_for_train, available = METHODS[name]
     if not available():
-        return "not installed"
+        package = competitors.COMPETITORS[name][2] if name in competitors.COMPETITORS else name
+        return f"not installed (pip install {package})"
     if train and needs_cuda_for_train and device.type != "cuda":
         return "backward needs CUDA"
     return None

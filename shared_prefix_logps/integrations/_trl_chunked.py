@@ -19,12 +19,11 @@ is differentiated with respect to leaf log-probs/entropies and compared with ``g
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
 from ..api import compute_logps_concatenated
 from ..chunked import chunked_backward
 from ..losses import grpo_loss, trl_micro_batch_counts
+from ._trl_ddp import sync_bypassed_ddp, unwrap_ddp
 from ._trl_utils import (
     AutocastForward,
     SelfCheckError,
@@ -214,41 +213,6 @@ def unsupported_reason(trainer, model, inputs) -> str | None:
     return layout_problem(input_ids, attention_mask, inputs["completion_ids"].shape[1])
 
 
-def _unwrap_ddp(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
-    if isinstance(model, nn.parallel.DistributedDataParallel):
-        return model.module, model
-    return model, None
-
-
-def average_gradients(parameters: list[nn.Parameter], process_group=None, bucket_bytes: int = 25 * 2**20) -> None:
-    """All-reduce-average ``.grad`` over processes, as DDP does at a synchronizing backward.
-
-    The chunked path runs the module inside DDP directly (several forwards and backwards per micro-batch would
-    otherwise all-reduce once per backward), so it averages the accumulated gradients itself at the accumulation
-    boundary. Every process passes the same parameters in the same order; missing gradients count as zeros.
-    """
-    world = dist.get_world_size(process_group)
-    grads = []
-    for parameter in parameters:
-        if parameter.grad is None:
-            parameter.grad = torch.zeros_like(parameter)
-        grads.append(parameter.grad)
-    bucket, size = [], 0
-    for grad in grads + [None]:
-        flush = grad is None or (bucket and (size >= bucket_bytes or grad.dtype != bucket[0].dtype))
-        if flush and bucket:
-            flat = torch.cat([g.reshape(-1) for g in bucket]).div_(world)
-            dist.all_reduce(flat, group=process_group)
-            offset = 0
-            for g in bucket:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
-            bucket, size = [], 0
-        if grad is not None:
-            bucket.append(grad)
-            size += grad.numel() * grad.element_size()
-
-
 class ChunkedStep:
     """Installed as ``trainer.training_step``: TRL's own training step around a chunked forward+backward."""
 
@@ -270,7 +234,9 @@ class ChunkedStep:
             instance_attribute(trainer, "compute_loss", self.compute_loss),
             instance_attribute(trainer.accelerator, "backward", self.backward),
         ):
-            return self.original_training_step(model, inputs, *args, **kwargs)
+            loss = self.original_training_step(model, inputs, *args, **kwargs)
+        sync_bypassed_ddp(self.patch)
+        return loss
 
     def backward(self, loss, **kwargs):
         """``accelerator.backward`` during the step: the chunked loss was back-propagated already."""
@@ -302,7 +268,9 @@ class ChunkedStep:
         loss_mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         rows, width = completion_ids.shape
         temperature = float(trainer.temperature)
-        inner, ddp = _unwrap_ddp(model)
+        inner, ddp = unwrap_ddp(model)
+        if ddp is not None:  # see _trl_ddp: forward the inner module, average at the accumulation boundary
+            patch.bypassed_ddp = ddp
         forward_model = AutocastForward(inner, accelerator.autocast)
 
         entropy_mask = None
@@ -354,8 +322,6 @@ class ChunkedStep:
             logps[bucket_rows] = out.logps
             entropies[bucket_rows] = out.entropy
             patch.stats.chunked_calls += 1
-        if ddp is not None and accelerator.sync_gradients:
-            average_gradients([p for p in ddp.parameters() if p.requires_grad], ddp.process_group)
 
         stats = patch.stats
         stats.chunked_steps += 1

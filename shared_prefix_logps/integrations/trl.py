@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from ..model_support import prepare_model
 from ._trl_chunked import REQUIRED_ARGS, REQUIRED_TRAINER_ATTRIBUTES, ChunkedStep
+from ._trl_ddp import DDPStepSync
 from ._trl_logps import LogpsPatch, compute_dtype
 from ._trl_utils import (
     PatchStats,
@@ -67,6 +68,8 @@ class GRPOPatch:
     replaced: dict = field(default_factory=dict, repr=False)
     fp32_heads: list = field(default_factory=list, repr=False)
     logps: LogpsPatch | None = field(default=None, repr=False)
+    # the DDP wrapper a grad-enabled call bypassed since the last gradient averaging (see _trl_ddp)
+    bypassed_ddp: object = field(default=None, repr=False)
 
     def tolerance(self, model) -> tuple[float, float]:
         if self.self_check_tolerance is not None:
@@ -145,6 +148,9 @@ def patch_grpo_trainer(
     _replace(trainer, patch, "_get_per_token_logps_and_entropies", patch.logps)
     if mode == "chunked":
         _replace(trainer, patch, "training_step", ChunkedStep(patch, trainer.training_step, patch.logps))
+    elif trainer.accelerator.num_processes > 1:
+        # DDP: the policy call bypasses DDP's forward; gradients are averaged after the step (see _trl_ddp)
+        _replace(trainer, patch, "training_step", DDPStepSync(patch, trainer.training_step))
     setattr(trainer, _PATCH_ATTRIBUTE, patch)
     return patch
 

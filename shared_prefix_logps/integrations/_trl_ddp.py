@@ -1,0 +1,79 @@
+"""DistributedDataParallel under the patch: forward the inner module, average gradients once per optimizer step.
+
+Why not forward through DDP: the shared path calls the model twice (prompts, then completions) before one backward,
+and the chunked mode several times with several backwards. DDP prepares its reducer in every forward; with
+``find_unused_parameters=True`` (transformers' default when gradient checkpointing is off) it searches the used
+parameters from the *last* forward's outputs, whose logits are an empty placeholder not connected to the graph, so
+every parameter is taken as unused and then "marked ready twice" in backward. And every extra backward of a
+synchronizing step would all-reduce again.
+
+So the grad-enabled calls run ``ddp.module`` (DDP's reducer is then not armed, its hooks do nothing), and at the
+accumulation boundary (``accelerator.sync_gradients``) the accumulated gradients are averaged over processes, which is
+what DDP's synchronizing backward computes. Averaging is idempotent: if DDP itself synchronized in that step (a
+micro-batch that fell back to TRL's path through DDP), averaging again leaves the gradients unchanged.
+Not reproduced: DDP communication hooks (e.g. gradient compression) and the overlap of all-reduce with backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def unwrap_ddp(model: nn.Module) -> tuple[nn.Module, nn.parallel.DistributedDataParallel | None]:
+    """``(module inside DDP, the DDP wrapper)`` or ``(model, None)``."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        return model.module, model
+    return model, None
+
+
+def average_gradients(parameters: list[nn.Parameter], process_group=None, bucket_bytes: int = 25 * 2**20) -> None:
+    """All-reduce-average ``.grad`` over processes, as DDP does at a synchronizing backward.
+
+    Every process passes the same parameters in the same order; a missing gradient counts as zeros (and becomes a
+    zero tensor), so processes never disagree on the number of collectives.
+    """
+    world = dist.get_world_size(process_group)
+    grads = []
+    for parameter in parameters:
+        if parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+        grads.append(parameter.grad)
+    bucket, size = [], 0
+    for grad in grads + [None]:
+        flush = grad is None or (bucket and (size >= bucket_bytes or grad.dtype != bucket[0].dtype))
+        if flush and bucket:
+            flat = torch.cat([g.reshape(-1) for g in bucket]).div_(world)
+            dist.all_reduce(flat, group=process_group)
+            offset = 0
+            for g in bucket:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+            bucket, size = [], 0
+        if grad is not None:
+            bucket.append(grad)
+            size += grad.numel() * grad.element_size()
+
+
+def sync_bypassed_ddp(patch) -> None:
+    """After a training step: if a grad-enabled call bypassed DDP since the last sync and this micro-batch ends
+    the accumulation window, average the gradients now."""
+    ddp = patch.bypassed_ddp
+    if ddp is not None and patch.trainer.accelerator.sync_gradients:
+        average_gradients([p for p in ddp.parameters() if p.requires_grad], ddp.process_group)
+        patch.bypassed_ddp = None
+
+
+class DDPStepSync:
+    """Installed as ``trainer.training_step`` in ``mode="logps"`` for multi-process runs: TRL's own step, then
+    :func:`sync_bypassed_ddp`."""
+
+    def __init__(self, patch, original_training_step):
+        self.patch = patch
+        self.original_training_step = original_training_step
+
+    def __call__(self, model, inputs, *args, **kwargs):
+        loss = self.original_training_step(model, inputs, *args, **kwargs)
+        sync_bypassed_ddp(self.patch)
+        return loss

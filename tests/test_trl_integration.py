@@ -366,3 +366,15 @@ def test_two_process_ddp_matches_unpatched(tmp_path):
                 torch.testing.assert_close(run["params"][n], results[f"{mode}{1 - rank}"]["params"][n])
             for entry, base_entry in zip(run["log"], base["log"], strict=True):
                 assert entry == pytest.approx(base_entry, rel=1e-4, abs=1e-6)
+
+
+def test_example_script_runs(monkeypatch, capsys):
+    import pathlib
+    import runpy
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "examples" / "grpo_tiny_cpu.py"
+    monkeypatch.setattr("sys.argv", [str(script), "--mode", "chunked", "--steps", "1"])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "mode=chunked: 1 optimizer steps" in out and "fallbacks: 0" in out
+    assert "passed" in out and "FAILED" not in out

@@ -378,3 +378,26 @@ def test_example_script_runs(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "mode=chunked: 1 optimizer steps" in out and "fallbacks: 0" in out
     assert "passed" in out and "FAILED" not in out
+
+
+def test_chunked_mode_forwards_a_few_generations_at_a_time(tmp_path):
+    """With G = 8 completions of one prompt per micro-batch and 2 generations per chunk, every forward with
+    gradient holds at most 2 rows (the prompt once, then 4 chunks of 2): activations do not grow with G. (A
+    one-token prompt has no prefix to forward.)"""
+    trainer = make_trainer(tmp_path, num_generations=8, per_device_train_batch_size=8, max_steps=2)
+    patch = patch_grpo_trainer(trainer, mode="chunked", generations_per_chunk=2)
+    shapes = []
+
+    def hook(module, args):
+        if torch.is_grad_enabled():
+            shapes.append(tuple(args[0].shape))
+
+    handle = trainer.model.get_input_embeddings().register_forward_pre_hook(hook)
+    try:
+        trainer.train()
+    finally:
+        handle.remove()
+    assert patch.stats.chunked_steps == 2
+    prompts = [s for s in shapes if s[0] == 1]
+    chunks = [s for s in shapes if s[0] != 1]
+    assert len(prompts) <= 2 and len(chunks) == 2 * 4 and all(rows == 2 for rows, _ in chunks), shapes

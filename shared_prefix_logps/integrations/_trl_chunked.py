@@ -266,8 +266,7 @@ class ChunkedStep:
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         loss_mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
-        rows, width = completion_ids.shape
-        temperature = float(trainer.temperature)
+        width = completion_ids.shape[1]
         inner, ddp = unwrap_ddp(model)
         if ddp is not None:  # see _trl_ddp: forward the inner module, average at the accumulation boundary
             patch.bypassed_ddp = ddp
@@ -275,53 +274,9 @@ class ChunkedStep:
 
         entropy_mask = None
         if trainer.top_entropy_quantile < 1.0:
-            # TRL's quantile is over the whole micro-batch (all processes) and must be known before any chunk's
-            # loss: score the micro-batch once without gradient (bounded memory), then mask with TRL's own method.
-            input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-            attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
-            with torch.no_grad():
-                scored = compute_logps_concatenated(
-                    forward_model,
-                    input_ids,
-                    attention_mask,
-                    width,
-                    temperature=temperature,
-                    return_entropy=True,
-                    backend=patch.backend,
-                )
-            entropy_mask = trainer.get_high_entropy_mask(scored.entropy, loss_mask, 1 - trainer.top_entropy_quantile)
+            entropy_mask = self._entropy_mask(forward_model, inputs, loss_mask)
         loss_of_rows = MicroBatchLoss(trainer, inputs, loss_mask, entropy_mask)
-
-        scale = 1.0 / accelerator.gradient_accumulation_steps  # 1 under Trainer; accelerate would divide by it
-        scaler = getattr(accelerator, "scaler", None)
-        logps = torch.zeros(rows, width, device=completion_ids.device)
-        entropies = torch.zeros_like(logps)
-        total = torch.zeros((), dtype=torch.float64, device=completion_ids.device)
-        for first_rows, bucket_rows in regroup_rows(prompt_ids, prompt_mask):
-            group_size = bucket_rows.numel() // first_rows.numel()
-
-            def loss_fn(chunk_out, local_rows, bucket_rows=bucket_rows):
-                nonlocal total
-                loss = loss_of_rows(chunk_out.logps, chunk_out.entropy, bucket_rows[local_rows])
-                total = total + loss.detach().double()
-                loss = loss * scale
-                return scaler.scale(loss) if scaler is not None else loss
-
-            out = chunked_backward(
-                forward_model,
-                prompt_ids[first_rows],
-                completion_ids[bucket_rows],
-                loss_fn,
-                generations_per_chunk=min(patch.generations_per_chunk, group_size),
-                prompt_mask=prompt_mask[first_rows],
-                completion_mask=completion_mask[bucket_rows],
-                temperature=temperature,
-                return_entropy=True,
-                backend=patch.backend,
-            )
-            logps[bucket_rows] = out.logps
-            entropies[bucket_rows] = out.entropy
-            patch.stats.chunked_calls += 1
+        logps, entropies, total = self._chunked_backward(forward_model, inputs, loss_of_rows)
 
         stats = patch.stats
         stats.chunked_steps += 1
@@ -346,6 +301,69 @@ class ChunkedStep:
             reference = self._original_logps(inner, prompt_ids, prompt_mask, completion_ids, completion_mask)
             self.logps_patch.check_result("chunked logps (grad)", logps, entropies, reference, valid)
         return trl_loss.detach()
+
+    def _entropy_mask(self, forward_model, inputs, loss_mask) -> torch.Tensor:
+        """TRL's high-entropy mask of the micro-batch, from one scoring pass without gradient.
+
+        TRL's quantile is taken over the whole micro-batch (and all processes) and must be known before the first
+        chunk's loss; the no-grad pass runs in bounded memory (token budget), and TRL's own method does the masking.
+        """
+        trainer = self.patch.trainer
+        input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        with torch.no_grad():
+            scored = compute_logps_concatenated(
+                forward_model,
+                input_ids,
+                attention_mask,
+                inputs["completion_ids"].shape[1],
+                temperature=float(trainer.temperature),
+                return_entropy=True,
+                backend=self.patch.backend,
+            )
+        return trainer.get_high_entropy_mask(scored.entropy, loss_mask, 1 - trainer.top_entropy_quantile)
+
+    def _chunked_backward(self, forward_model, inputs, loss_of_rows):
+        """``chunked_backward`` once per group size of the micro-batch.
+
+        Returns the detached (B, C) float32 log-probs and entropies of every row, and the float64 sum of the chunk
+        losses (before any loss scaling), which equals TRL's micro-batch loss.
+        """
+        patch = self.patch
+        accelerator = patch.trainer.accelerator
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        scale = 1.0 / accelerator.gradient_accumulation_steps  # 1 under Trainer; accelerate would divide by it
+        scaler = getattr(accelerator, "scaler", None)  # fp16: scale every chunk's loss, as accelerate.backward does
+        logps = torch.zeros(completion_ids.shape, device=completion_ids.device)
+        entropies = torch.zeros_like(logps)
+        total = torch.zeros((), dtype=torch.float64, device=completion_ids.device)
+        for first_rows, bucket_rows in regroup_rows(prompt_ids, prompt_mask):
+            group_size = bucket_rows.numel() // first_rows.numel()
+
+            def loss_fn(chunk_out, local_rows, bucket_rows=bucket_rows):
+                nonlocal total
+                loss = loss_of_rows(chunk_out.logps, chunk_out.entropy, bucket_rows[local_rows])
+                total = total + loss.detach().double()
+                loss = loss * scale
+                return scaler.scale(loss) if scaler is not None else loss
+
+            out = chunked_backward(
+                forward_model,
+                prompt_ids[first_rows],
+                completion_ids[bucket_rows],
+                loss_fn,
+                generations_per_chunk=min(patch.generations_per_chunk, group_size),
+                prompt_mask=prompt_mask[first_rows],
+                completion_mask=completion_mask[bucket_rows],
+                temperature=float(patch.trainer.temperature),
+                return_entropy=True,
+                backend=patch.backend,
+            )
+            logps[bucket_rows] = out.logps
+            entropies[bucket_rows] = out.entropy
+            patch.stats.chunked_calls += 1
+        return logps, entropies, total
 
     def _original_logps(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
         """TRL's own log-probs and entropies of the micro-batch (no gradient), for the self-check."""

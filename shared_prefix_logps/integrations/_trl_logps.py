@@ -90,10 +90,10 @@ class LogpsPatch:
     def compute(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy):
         """The shared-prefix log-probs of a trainer-shaped batch, under the trainer's autocast."""
         trainer = self.patch.trainer
-        inner, ddp = unwrap_ddp(model)
+        model, ddp = unwrap_ddp(model)
         if ddp is not None and torch.is_grad_enabled():
-            # Two forwards before one backward confuse DDP's reducer: run the inner module, average later (_trl_ddp)
-            model = inner
+            # Two forwards before one backward confuse DDP's reducer: run the inner module, average later (_trl_ddp).
+            # (Without gradient DDP adds nothing but buffer broadcasts, whose count must not depend on the data.)
             self.patch.bypassed_ddp = ddp
         return compute_logps_concatenated(
             AutocastForward(model, trainer.accelerator.autocast),

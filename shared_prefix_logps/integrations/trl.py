@@ -14,6 +14,10 @@ print(patch.stats.summary())
 reference log-probs). ``mode="chunked"`` does that and also runs each micro-batch's forward+backward through
 ``shared_prefix_logps.chunked_backward``; optimizer steps, LR schedule, ``global_step`` and logged metrics stay
 TRL's. See the module docstrings of ``_trl_logps`` and ``_trl_chunked`` for how.
+
+Distributed: under DDP the grad-enabled forwards run the module inside DDP and the gradients are averaged once per
+optimizer step (``_trl_ddp``). Under DeepSpeed/FSDP ``mode="logps"`` calls the wrapped model as TRL does (untested
+here); ``mode="chunked"`` refuses them.
 """
 
 from __future__ import annotations

@@ -58,6 +58,15 @@ GENERATIONS_PER_CHUNK = {"ref_entropy_mask": 1, "peft_ref_entropy_bonus": 1, "bn
 TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The model is tiny: one thread is as fast, and much faster when other processes compete for the cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def baselines(tmp_path_factory):
     """Unpatched runs, computed once per configuration and shared by both modes."""

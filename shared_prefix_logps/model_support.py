@@ -193,8 +193,9 @@ def _lm_head_proxy_forward(self, hidden_states, *args, **kwargs):
     if context is None:
         return self._shared_prefix_original_forward(hidden_states, *args, **kwargs)
     # Phase 1 needs no logits at all; Phase 2 hands its result back through the context. The model still gets a
-    # tensor of the right rank (with an empty vocabulary axis) for any post-processing it applies.
-    empty = hidden_states.new_empty(*hidden_states.shape[:-1], 0)
+    # tensor of the right rank (with an empty vocabulary axis) for any post-processing it applies. It is a view of
+    # the hidden states, so DDP's search for unused parameters walks the real graph from it.
+    empty = hidden_states[..., :0]
     if isinstance(context, CaptureContext):
         return empty
     if not isinstance(context, SharedContext):

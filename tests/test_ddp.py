@@ -3,6 +3,7 @@
 import os
 import socket
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -26,12 +27,13 @@ def _loss(out, rows=None):
     return (out.logps * (weights if rows is None else weights[rows])).sum()
 
 
-def _worker(rank, port, results):
+def _worker(rank, port, results, find_unused):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.set_num_threads(1)
     model = build_model("qwen2")
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    # transformers' Trainer wraps with find_unused_parameters=True, which walks the graph from the outputs.
+    ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=find_unused)
     prompts, pmask, comps, cmask = make_batch(2, 3, prompt_len=9, completion_len=5, seed=rank)
     out = compute_logps(ddp, prompts, comps, prompt_mask=pmask, completion_mask=cmask, temperature=0.8)
     _loss(out).backward()
@@ -52,10 +54,11 @@ def _worker(rank, port, results):
     dist.destroy_process_group()
 
 
-def test_ddp_gradients_equal_averaged_dense_gradients():
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_ddp_gradients_equal_averaged_dense_gradients(find_unused):
     manager = mp.Manager()
     results = manager.dict()
-    mp.spawn(_worker, args=(_free_port(), results), nprocs=2, join=True)
+    mp.spawn(_worker, args=(_free_port(), results, find_unused), nprocs=2, join=True)
     reference = build_model("qwen2")
     dense_grads = []
     for rank in range(2):

@@ -53,6 +53,8 @@ def _bench(args) -> int:
     from .bench.runner import Shape, find_max_generations, run_sweep
     from .presets import build_preset
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -85,6 +87,7 @@ def _bench(args) -> int:
         device=_device_name(device),
         versions=_versions(),
         commit=_commit(),
+        threads=torch.get_num_threads() if device.type == "cpu" else None,
     )
     if args.max_generations:
         p, c = args.prompt_len[0], args.completion_len[0]
@@ -166,6 +169,7 @@ def main(argv=None) -> int:
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--device", default="cuda" if cuda else "cpu")
     bench.add_argument("--dtype", choices=["bf16", "fp32"], default=None)
+    bench.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     bench.add_argument("--output", default=None, help="directory for JSON, Markdown and PNG results")
     bench.add_argument("--name", default=None, help="file stem of the results (default: bench)")
     bench.add_argument(

@@ -15,20 +15,10 @@ PACKAGES = {"prefix_grouper": "prefix_grouper", "liger": "liger_kernel"}
 
 def _dense(model, batch, train):
     model.zero_grad(set_to_none=True)
-    with torch.set_grad_enabled(train):
-        out = compute_logps(
-            model,
-            batch.prompts,
-            batch.completions,
-            prompt_mask=batch.prompt_mask,
-            completion_mask=batch.completion_mask,
-            backend="dense",
-        )
-        if train:
-            out.logps.sum().backward()
+    logps = METHODS["dense"][0](model, batch, train)
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    return out.logps.detach(), grads
+    return logps, grads
 
 
 def _check(model, batch, method):

@@ -54,6 +54,8 @@ def build_model(
         config = tf.Phi3Config(
             **common,
             pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,  # Phi3's defaults (32000) lie outside the tiny vocabulary
             tie_word_embeddings=bool(tied),
             rope_parameters={"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.5},
         )

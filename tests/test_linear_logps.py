@@ -4,26 +4,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+from triton_cpu import BACKENDS, TRITON_OK, interpret_triton_on_cpu  # noqa: F401 (autouse fixture)
 
 from shared_prefix_logps.head import default_chunk_size, linear_logps
-from shared_prefix_logps.kernels import _backend
-
-TRITON_OK = _backend._triton_impl is not None
-BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON_OK, reason="Triton not importable"))]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _interpret_triton_on_cpu():
-    """Run the Triton kernels on CPU through Triton's interpreter, for this module only.
-
-    The kernels read TRITON_INTERPRET at every launch (not at import), so setting it here is enough; doing it at
-    import time instead would leak into every other test module of the session and silently reroute their heads
-    through the (slow) interpreter.
-    """
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "1")
-        yield
-
 
 SHAPES = [(37, 1013, 48), (5, 257, 16), (1, 3, 8)]  # (N, V, H)
 

@@ -10,11 +10,8 @@ from .dense import dense_logps
 from .flex import flex_available
 from .inputs import GroupedBatch, check_options, group_batch, split_concatenated
 from .model_support import PreparedModel, prepare_model
-from .output import LogpsOutput, scatter_valid, write_rows
-from .phases import capture_prefix, score_completions
-
-#: Backends of the completion attention. ``auto`` picks the best one available on the model's device.
-BACKENDS = ("auto", "expand", "flex", "dense")
+from .output import LogpsOutput, write_rows
+from .phases import capture_prefix, score_rows
 
 
 def compute_logps(
@@ -166,13 +163,8 @@ def run_batch(
             part = sub.select_rows(local_rows)
             if not part.completion_mask.any():
                 continue
-            scored = score_completions(
+            values = score_rows(
                 prepared, part, capture, temperature=temperature, return_entropy=return_entropy, packed=packed
-            )
-            mask = part.completion_mask
-            values = (
-                scatter_valid(scored.logps, mask),
-                scatter_valid(scored.entropy, mask) if return_entropy else None,
             )
             write_rows(logps, entropy, sub_rows[local_rows], values)
         del capture

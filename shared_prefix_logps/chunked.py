@@ -17,8 +17,8 @@ from .api import resolve_backend
 from .context import CaptureContext
 from .inputs import check_options, group_batch
 from .model_support import prepare_model
-from .output import LogpsOutput, scatter_valid, write_rows
-from .phases import capture_prefix, score_completions
+from .output import LogpsOutput, write_rows
+from .phases import capture_prefix, score_rows
 
 
 def chunked_backward(
@@ -122,11 +122,9 @@ def _score_chunk(prepared, part, leaves, length, temperature, return_entropy, pa
     logps = torch.zeros(chunk_rows, length, device=part.completion_ids.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
     if part.completion_mask.any():
-        scored = score_completions(
+        values = score_rows(
             prepared, part, leaves, temperature=float(temperature), return_entropy=return_entropy, packed=packed
         )
-        mask = part.completion_mask
-        values = (scatter_valid(scored.logps, mask), scatter_valid(scored.entropy, mask) if return_entropy else None)
         write_rows(logps, entropy, torch.arange(chunk_rows, device=logps.device), values)
     mask = torch.zeros(chunk_rows, length, dtype=torch.bool, device=logps.device)
     mask[:, : part.completion_mask.shape[1]] = part.completion_mask

@@ -69,14 +69,18 @@ class GroupedBatch:
         )
 
 
-def check_options(temperature, backend, token_budget=None, backends=("auto", "expand", "flex", "dense")) -> None:
+#: Backends of the completion attention. ``auto`` picks the best one available on the model's device.
+BACKENDS = ("auto", "expand", "flex", "dense")
+
+
+def check_options(temperature, backend, token_budget=None) -> None:
     """Validate the options shared by the entry points."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be positive and finite, got {temperature}")
-    if backend not in backends:
-        raise ValueError(f"backend must be one of {backends}, got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if token_budget is not None and (
         isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1
     ):
@@ -118,25 +122,17 @@ def _check_mask(name: str, mask, shape, device) -> torch.Tensor:
     return mask.to(device=device, dtype=torch.bool)
 
 
-def _left_padded_from_lists(rows, device):
-    length = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), length, dtype=torch.long)
-    mask = torch.zeros(len(rows), length, dtype=torch.bool)
-    for i, row in enumerate(rows):
-        if row:
-            ids[i, length - len(row) :] = torch.tensor(row, dtype=torch.long)
-            mask[i, length - len(row) :] = True
-    return ids.to(device), mask.to(device)
-
-
-def _right_padded_from_lists(rows, device):
+def _padded_from_lists(rows, device, *, left: bool):
+    """(len(rows), longest) int64 ids and bool mask, each row placed at the right end (``left`` padding) or at the
+    left end (right padding)."""
     length = max((len(r) for r in rows), default=0)
     ids = torch.zeros(len(rows), length, dtype=torch.long)
     mask = torch.zeros(len(rows), length, dtype=torch.bool)
     for i, row in enumerate(rows):
         if row:
-            ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-            mask[i, : len(row)] = True
+            span = slice(length - len(row), length) if left else slice(0, len(row))
+            ids[i, span] = torch.tensor(row, dtype=torch.long)
+            mask[i, span] = True
     return ids.to(device), mask.to(device)
 
 
@@ -162,7 +158,7 @@ def normalize_prompts(prompts, prompt_mask, *, device, vocab_size) -> tuple[torc
         for i, row in enumerate(rows):
             if not row:
                 raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
-        ids, mask = _left_padded_from_lists(rows, device)
+        ids, mask = _padded_from_lists(rows, device, left=True)
     else:
         if ids.shape[0] == 0 or ids.shape[1] == 0:
             raise ValueError(f"prompts is empty (shape {tuple(ids.shape)})")
@@ -190,7 +186,7 @@ def normalize_completions(completions, completion_mask, *, device, vocab_size) -
             raise ValueError("completion_mask must be None when completions is a list of token-id lists")
         if not rows:
             raise ValueError("completions is empty")
-        ids, mask = _right_padded_from_lists(rows, device)
+        ids, mask = _padded_from_lists(rows, device, left=False)
     else:
         if ids.shape[0] == 0:
             raise ValueError(f"completions is empty (shape {tuple(ids.shape)})")

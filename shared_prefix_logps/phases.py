@@ -16,6 +16,7 @@ import torch
 from .context import CONTEXT_KWARG, CaptureContext, SharedContext, activated
 from .inputs import GroupedBatch
 from .model_support import PreparedModel, force_non_reentrant_checkpointing
+from .output import scatter_valid
 
 
 def capture_prefix(
@@ -104,6 +105,24 @@ def score_completions(
     if context.logps is None:
         raise ValueError(f"{type(prepared.causal_lm).__name__} did not call its lm_head inside its forward")
     return context
+
+
+def score_rows(
+    prepared: PreparedModel,
+    batch: GroupedBatch,
+    capture: CaptureContext | None,
+    *,
+    temperature: float,
+    return_entropy: bool,
+    packed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`score_completions` laid out per row: (rows, C) float32 log-probs and entropy (or None), zeros where
+    ``batch.completion_mask`` is False; differentiable."""
+    scored = score_completions(
+        prepared, batch, capture, temperature=temperature, return_entropy=return_entropy, packed=packed
+    )
+    mask = batch.completion_mask
+    return scatter_valid(scored.logps, mask), scatter_valid(scored.entropy, mask) if return_entropy else None
 
 
 def _forward(prepared: PreparedModel, input_ids, position_ids, context) -> None:

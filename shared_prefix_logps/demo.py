@@ -15,29 +15,19 @@ import time
 import torch
 
 from . import compute_logps
+from .bench.runner import Shape, make_batch
 from .memory import peak_memory
 from .presets import PRESETS, build_preset
 
 
-def grpo_batch(num_prompts, generations, prompt_len, completion_len, vocab, device, seed=0):
-    """Left-padded prompts (true lengths from P/2 to P) and right-padded completions (C/2 to C tokens)."""
-    gen = torch.Generator().manual_seed(seed)
-    prompt_lengths = torch.linspace(prompt_len // 2, prompt_len, num_prompts).long()
-    prompts = torch.randint(0, vocab, (num_prompts, prompt_len), generator=gen)
-    prompt_mask = torch.arange(prompt_len)[None] >= (prompt_len - prompt_lengths)[:, None]
-    rows = num_prompts * generations
-    completion_lengths = torch.randint(completion_len // 2, completion_len + 1, (rows,), generator=gen)
-    completion_lengths[0] = completion_len
-    completions = torch.randint(0, vocab, (rows, completion_len), generator=gen)
-    completion_mask = torch.arange(completion_len)[None] < completion_lengths[:, None]
-    to = dict(device=device)
-    return prompts.to(**to), prompt_mask.to(**to), completions.to(**to), completion_mask.to(**to)
-
-
 def _step(model, batch, backend):
-    prompts, prompt_mask, completions, completion_mask = batch
     out = compute_logps(
-        model, prompts, completions, prompt_mask=prompt_mask, completion_mask=completion_mask, backend=backend
+        model,
+        batch.prompts,
+        batch.completions,
+        prompt_mask=batch.prompt_mask,
+        completion_mask=batch.completion_mask,
+        backend=backend,
     )
     out.logps.sum().backward()
     return out.logps.detach()
@@ -88,13 +78,13 @@ def main(argv=None) -> dict:
     model = build_preset(args.preset, dtype=dtype, device=device)
     model.train()
     vocab = model.config.vocab_size
-    batch = grpo_batch(args.prompts, args.generations, args.prompt_len, args.completion_len, vocab, device)
-    prompt_tokens = int(batch[1].sum())
-    completion_tokens = int(batch[3].sum())
-    rows = batch[2].shape[0]
+    # Prompts of true lengths P/2..P (left-padded), completions of C/2..C tokens (right-padded).
+    shape = Shape(args.prompts, args.prompt_len, args.completion_len, args.generations)
+    batch = make_batch(shape, vocab, device)
+    prompt_tokens = int(batch.prompt_mask.sum())
+    completion_tokens = int(batch.completion_mask.sum())
     g = args.generations
-    dense_tokens = rows * args.prompt_len + rows * args.completion_len
-    shared_tokens = args.prompts * args.prompt_len + rows * args.completion_len
+    dense_tokens, shared_tokens = shape.dense_tokens, shape.shared_tokens
     floor = shared_tokens / dense_tokens
 
     print(f"model: {args.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {dtype}) on {device}")

@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from . import flex
 from .context import CONTEXT_KWARG, CaptureContext, SharedContext, cached
 
-#: Name under which the function is registered. transformers matches implementation names by substring
-#: ("sdpa", "flash", "flex_attention" switch on special code paths), so none of those may appear in it.
+#: Prefix of the names under which the function is registered. transformers matches implementation names by substring
+#: ("sdpa", "flash", "flex_attention" switch on special code paths), so none of those may appear in a name.
 ATTENTION_NAME = "shared_prefix_logps"
 
-# id(config) -> name of the implementation the model used before it was switched to ours.
-_ORIGINAL_IMPLEMENTATION: dict[int, str] = {}
+# Separates ATTENTION_NAME from the hex-encoded name of the implementation the model had before.
+_ORIGINAL_SEPARATOR = "__"
 
 # Attention kwargs that change the math in ways the shared path does not implement.
 _UNSUPPORTED_KWARGS = ("s_aux", "sinks", "attention_chunk_size", "position_bias")
@@ -33,14 +33,28 @@ class ReentrantCheckpointError(RuntimeError):
     """Raised when a layer runs under reentrant activation checkpointing, which would drop the prompt's gradient."""
 
 
-def remember_original_implementation(config, name: str) -> None:
-    """Record which implementation ``config``'s model used before it was switched to :data:`ATTENTION_NAME`."""
-    _ORIGINAL_IMPLEMENTATION[id(config)] = name
+def implementation_name(original: str) -> str:
+    """The name the model's config carries while the shared-prefix function is selected over ``original``.
+
+    The original implementation is encoded in the name itself (hex, so no substring such as "sdpa" appears), so it
+    travels with the config: deep copies, pickles and other processes recover it, and no table keyed by object
+    identity can go stale. transformers does not serialize the implementation name, so saved configs stay clean.
+    """
+    return f"{ATTENTION_NAME}{_ORIGINAL_SEPARATOR}{original.encode().hex()}"
+
+
+def is_shared_prefix_name(name) -> bool:
+    """Whether ``name`` (a config's ``_attn_implementation``) selects the shared-prefix function."""
+    return isinstance(name, str) and name.startswith(ATTENTION_NAME)
 
 
 def original_implementation_name(config) -> str:
     """The implementation name to fall back to for plain forwards of the model that owns ``config``."""
-    return _ORIGINAL_IMPLEMENTATION.get(id(config), "sdpa")
+    name = config._attn_implementation
+    if not is_shared_prefix_name(name):
+        return name or "eager"
+    encoded = name[len(ATTENTION_NAME) + len(_ORIGINAL_SEPARATOR) :]
+    return bytes.fromhex(encoded).decode() if encoded else "sdpa"
 
 
 def _original_attention(module):
@@ -78,9 +92,10 @@ def shared_prefix_attention(module, query, key, value, attention_mask, **kwargs)
         dropout=kwargs.get("dropout", 0.0) if module.training else 0.0,
     )
     window = kwargs.get("sliding_window")
+    _check_single_call(module, context)
     if isinstance(context, CaptureContext):
-        # Checkpointed layers come back here when backward recomputes them; the first recording is the one Phase 2
-        # built its graph on, so it is kept.
+        # Checkpointed layers come back here when backward recomputes them (after the forward finished); the first
+        # recording is the one Phase 2 built its graph on, so it is kept.
         context.kv.setdefault(module, (key, value))
         if context.packed:
             return flex.packed_capture_attention(query, key, value, context, window, options), None
@@ -90,6 +105,25 @@ def shared_prefix_attention(module, query, key, value, attention_mask, **kwargs)
             return flex.packed_shared_attention(module, query, key, value, context, window, options), None
         return _shared_expand_attention(module, query, key, value, context, window, options), None
     raise TypeError(f"{CONTEXT_KWARG} must be a CaptureContext or SharedContext, got {type(context).__name__}")
+
+
+def _check_single_call(module, context) -> None:
+    """Refuse an attention module that runs twice in one forward (a layer object repeated in the layer list).
+
+    Keys/values are recorded and looked up per module; a second pass of the same module would reuse the first
+    pass's prefix, and an activation-checkpoint recomputation could not tell which pass it repeats.
+    """
+    if context.finished:
+        return
+    seen = context.kv if isinstance(context, CaptureContext) else context.called
+    if module in seen:
+        raise ValueError(
+            f"attention module {type(module).__name__} ran twice in one forward (the same layer object appears more "
+            "than once in the model's layers); the shared-prefix path records keys/values per layer and cannot "
+            "serve repeated layers"
+        )
+    if isinstance(context, SharedContext):
+        context.called.add(module)
 
 
 def _capture_attention(query, key, value, context: CaptureContext, window, options):

@@ -17,7 +17,9 @@ import torch
 #: Name of the model kwarg that carries a phase context to the attention function.
 CONTEXT_KWARG = "shared_prefix_context"
 
-_ACTIVE: ContextVar[CaptureContext | SharedContext | None] = ContextVar("shared_prefix_logps_active", default=None)
+_ACTIVE: ContextVar[CaptureContext | SharedContext | HeadCheckContext | None] = ContextVar(
+    "shared_prefix_logps_active", default=None
+)
 
 
 @dataclass(eq=False)
@@ -34,6 +36,8 @@ class CaptureContext:
         packed: the layout; when packed, ``segments`` (total,) int64 gives each token's prompt index.
         kv: attention module -> (key, value), each (rows, num_kv_heads, length, head_dim) in the layout above.
         masks: attention masks built once per phase, keyed by their kind and sliding window.
+        finished: set once the phase's forward has returned; attention calls after that are activation-checkpoint
+            recomputations during backward.
     """
 
     key_valid: torch.Tensor
@@ -43,6 +47,7 @@ class CaptureContext:
     segments: torch.Tensor | None = None
     kv: dict = field(default_factory=dict)
     masks: dict = field(default_factory=dict)
+    finished: bool = False
 
     def kv_of(self, module) -> tuple[torch.Tensor, torch.Tensor]:
         """The (key, value) recorded for attention ``module``; a clear error if Phase 1 never reached it."""
@@ -75,6 +80,8 @@ class SharedContext:
         packed: the layout; when packed, ``query_rows`` (num_valid,) int64 gives each query token's row.
         logps / entropy: written by the lm_head proxy: (num_valid,) float32.
         masks: attention masks built once per phase, keyed by their kind and sliding window.
+        finished: as for :class:`CaptureContext`.
+        called: attention modules the phase's forward has run (each may run once).
     """
 
     capture: CaptureContext | None
@@ -91,6 +98,24 @@ class SharedContext:
     logps: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
     masks: dict = field(default_factory=dict)
+    finished: bool = False
+    called: set = field(default_factory=set)
+
+
+@dataclass(eq=False)
+class HeadCheckContext:
+    """A plain forward during which the lm_head proxy also computes the fused head's logits, for comparison.
+
+    Attributes:
+        spec: the model's :class:`~shared_prefix_logps.model_support.HeadSpec`.
+        fused_logits: (tokens, V) float32 logits of the fused computation on the lm_head's input, written by the
+            proxy; the proxy returns the module's own output unchanged.
+        calls: how many times the lm_head ran in the forward.
+    """
+
+    spec: object
+    fused_logits: torch.Tensor | None = None
+    calls: int = 0
 
 
 def cached(context: CaptureContext | SharedContext, key, build):
@@ -101,13 +126,13 @@ def cached(context: CaptureContext | SharedContext, key, build):
     return context.masks[key]
 
 
-def active_context() -> CaptureContext | SharedContext | None:
+def active_context() -> CaptureContext | SharedContext | HeadCheckContext | None:
     """The phase context of the model call that is running, or None outside the library's calls."""
     return _ACTIVE.get()
 
 
 @contextlib.contextmanager
-def activated(context: CaptureContext | SharedContext):
+def activated(context: CaptureContext | SharedContext | HeadCheckContext):
     """Make ``context`` the active one for the duration of a model call."""
     token = _ACTIVE.set(context)
     try:

@@ -201,6 +201,21 @@ def normalize_completions(completions, completion_mask, *, device, vocab_size) -
     return _check_ids_in_vocab("completions", ids, mask, vocab_size), mask
 
 
+def check_rope_length(model, row_width: int) -> None:
+    """Refuse rows longer than the model's RoPE serves with length-independent frequencies (see
+    :func:`~shared_prefix_logps.model_support.rope_length_limit`): there the two phases would rotate the prompt's
+    keys and the completion's queries with other frequencies than the model's full-row forward."""
+    limit = getattr(model, "rope_length_limit", None)
+    if limit is not None and row_width > limit:
+        from .errors import UnsupportedModelError
+
+        raise UnsupportedModelError(
+            f"rows of {row_width} tokens (prompt + completion) exceed {limit}, beyond which this model's RoPE "
+            "(rope_type 'dynamic' or 'longrope') picks its frequencies from each forward's length; the prompt and "
+            "completion passes would not match the model's full-row forward. Shorten the rows or use the dense path"
+        )
+
+
 def group_batch(prompts, completions, prompt_mask, completion_mask, *, model) -> GroupedBatch:
     """Validate the ``compute_logps`` inputs: G = rows // prompts consecutive completions per prompt.
 
@@ -218,6 +233,7 @@ def group_batch(prompts, completions, prompt_mask, completion_mask, *, model) ->
             f"completions has {rows} rows, not a multiple of the {num_prompts} prompts: "
             "G = len(completions) // len(prompts) completions must follow each prompt"
         )
+    check_rope_length(model, prompt_ids.shape[1] + completion_ids.shape[1])
     group_index = torch.arange(num_prompts, device=device).repeat_interleave(rows // num_prompts)
     return GroupedBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, group_index)
 
@@ -244,6 +260,7 @@ def split_concatenated(input_ids, attention_mask, logits_to_keep, *, model) -> G
     if attention_mask is None:
         raise ValueError("attention_mask is required: masks come from attention masks, never from token ids")
     mask = _check_mask("attention_mask", attention_mask, ids.shape, device)
+    check_rope_length(model, ids.shape[1])
     split = ids.shape[1] - logits_to_keep
     prompt_ids, prompt_mask = normalize_prompts(
         ids[:, :split], mask[:, :split], device=device, vocab_size=input_vocab_size

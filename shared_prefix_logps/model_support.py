@@ -5,8 +5,9 @@ Preparing a model (idempotent, once per model) does three things, all pass-throu
 1. registers :func:`~shared_prefix_logps.attention.shared_prefix_attention` with transformers' attention and mask
    interfaces and selects it, remembering the model's original implementation for calls without a phase context;
 2. swaps the lm_head's ``forward`` on the instance for a proxy (module hooks of FSDP/ZeRO still fire around it);
-3. checks once per model class that the head reproduces the model's own logits (unknown logit post-processing
-   must never pass silently).
+3. checks, per model instance and again whenever the head, its hooks, its PEFT wrapping or the logit settings
+   change, that the fused head reproduces the model's own logits (unknown logit post-processing must never pass
+   silently). The check runs inside an ordinary forward of the model, where sharded wrappers hold full weights.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ import torch
 from torch import nn
 
 from . import attention
-from .context import CaptureContext, SharedContext, active_context
+from .context import CaptureContext, HeadCheckContext, SharedContext, activated, active_context
+from .errors import UnsupportedModelError
+from .head_weights import UnsupportedHeadError, effective_head, head_state
 
 #: Decoder-only families whose attention goes through transformers' AttentionInterface and whose head the library
 #: reproduces; each is covered by the test suite.
@@ -28,12 +31,8 @@ SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2
 #: Rows of completion tokens per chunk of the fused head; None lets the head size chunks from its memory budget.
 HEAD_CHUNK_ROWS: int | None = None
 
-# Model classes whose head passed the first-use check.
-_VERIFIED_HEAD_CLASSES: set[type] = set()
-
-
-class UnsupportedModelError(ValueError):
-    """The model's architecture or configuration cannot be served by the shared-prefix path."""
+# Attribute of the causal LM holding the head signatures (see _head_signature) that passed the check.
+_VERIFIED_ATTRIBUTE = "_shared_prefix_verified_heads"
 
 
 @dataclass(frozen=True)
@@ -56,6 +55,8 @@ class PreparedModel:
         input_vocab_size: rows of the input embedding (valid input ids are below it).
         output_vocab_size: rows of the lm_head weight (valid target ids are below it).
         device: device of the input embedding.
+        rope_length_limit: longest row (padded prompt + completion width) the model's RoPE serves with fixed
+            frequencies, or None when its frequencies never depend on the forward's length.
     """
 
     outer: nn.Module
@@ -64,6 +65,7 @@ class PreparedModel:
     input_vocab_size: int
     output_vocab_size: int
     device: torch.device
+    rope_length_limit: int | None = None
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
@@ -113,11 +115,45 @@ def prepare_model(model: nn.Module) -> PreparedModel:
         input_vocab_size=embeddings.weight.shape[0],
         output_vocab_size=head.lm_head.weight.shape[0],
         device=embeddings.weight.device,
+        rope_length_limit=rope_length_limit(causal_lm),
     )
-    if type(causal_lm) not in _VERIFIED_HEAD_CLASSES:
+    signature = _head_signature(prepared)
+    verified = causal_lm.__dict__.setdefault(_VERIFIED_ATTRIBUTE, set())
+    if signature not in verified:
         _verify_head(prepared)
-        _VERIFIED_HEAD_CLASSES.add(type(causal_lm))
+        verified.add(signature)
     return prepared
+
+
+def rope_length_limit(causal_lm: nn.Module) -> int | None:
+    """The longest row for which every forward, the two phases' and the model's own full-row one, picks the same
+    RoPE frequencies; None when no rotary embedding of the model depends on the forward's length.
+
+    ``dynamic`` (NTK) RoPE rescales its frequencies once a forward's largest position reaches the original context
+    length, and ``longrope`` switches from its short to its long factors beyond ``original_max_position_embeddings``.
+    Both decide per forward from that forward's largest position, so the prompt pass, the completion pass and the
+    full-row forward would disagree for rows that cross the threshold.
+    """
+    limit = None
+    for module in causal_lm.modules():
+        kinds = getattr(module, "rope_type", None)
+        if kinds is None:
+            continue
+        for layer_type, kind in kinds.items() if isinstance(kinds, dict) else [(None, kinds)]:
+            if not isinstance(kind, str):
+                continue
+            if "dynamic" in kind:
+                # Frequencies stay the original ones only while the largest position + 1 is below this.
+                bound = int(module.original_max_seq_len) - 1
+            elif kind == "longrope":
+                parameters = module.config.rope_parameters
+                if layer_type is not None:
+                    parameters = parameters[layer_type]
+                bound = int(parameters["original_max_position_embeddings"])
+            else:
+                continue
+            limit = bound if limit is None else min(limit, bound)
+    return limit
 
 
 def _head_spec(causal_lm) -> HeadSpec:
@@ -139,11 +175,12 @@ def _install_attention(causal_lm) -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(attention.ATTENTION_NAME, attention.shared_prefix_attention)
-    AttentionMaskInterface.register(attention.ATTENTION_NAME, _shared_prefix_mask)
     config = causal_lm.config
     current = config._attn_implementation
-    if current == attention.ATTENTION_NAME:
+    if attention.is_shared_prefix_name(current):
+        # Prepared before (or deep-copied from a prepared model): the name carries the original; make sure it is
+        # registered in this process too.
+        _register(AttentionInterface, AttentionMaskInterface, current)
         return
     if hasattr(causal_lm, "_can_set_attn_implementation") and not causal_lm._can_set_attn_implementation():
         raise UnsupportedModelError(
@@ -161,8 +198,14 @@ def _install_attention(causal_lm) -> None:
             f"{type(causal_lm).__name__} has attn_logit_softcapping but runs attn_implementation='sdpa', which does "
             "not apply it; load the model with attn_implementation='eager'"
         )
-    attention.remember_original_implementation(config, current or "eager")
-    causal_lm.set_attn_implementation(attention.ATTENTION_NAME)
+    name = attention.implementation_name(current or "eager")
+    _register(AttentionInterface, AttentionMaskInterface, name)
+    causal_lm.set_attn_implementation(name)
+
+
+def _register(attention_interface, mask_interface, name: str) -> None:
+    attention_interface.register(name, attention.shared_prefix_attention)
+    mask_interface.register(name, _shared_prefix_mask)
 
 
 def _shared_prefix_mask(*args, config=None, **kwargs):
@@ -171,7 +214,7 @@ def _shared_prefix_mask(*args, config=None, **kwargs):
     Inside a phase the attention function builds its own masks from the context, so transformers builds none
     (no rows x keys tensor); outside a phase the original implementation's mask builder runs.
     """
-    if active_context() is not None:
+    if isinstance(active_context(), (CaptureContext, SharedContext)):
         return None
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
@@ -192,6 +235,12 @@ def _lm_head_proxy_forward(self, hidden_states, *args, **kwargs):
     context = active_context()
     if context is None:
         return self._shared_prefix_original_forward(hidden_states, *args, **kwargs)
+    if isinstance(context, HeadCheckContext):
+        logits = self._shared_prefix_original_forward(hidden_states, *args, **kwargs)
+        context.calls += 1
+        with torch.no_grad():
+            context.fused_logits = fused_logits(self, context.spec, hidden_states)
+        return logits
     # Phase 1 needs no logits at all; Phase 2 hands its result back through the context. The model still gets a
     # tensor of the right rank (with an empty vocabulary axis) for any post-processing it applies. It is a view of
     # the hidden states, so DDP's search for unused parameters walks the real graph from it.
@@ -206,11 +255,12 @@ def _lm_head_proxy_forward(self, hidden_states, *args, **kwargs):
     hidden = hidden_states[context.query_valid]
     if spec.scale != 1.0:
         hidden = hidden * spec.scale
+    weight, bias = effective_head(self)
     result = linear_logps(
         hidden,
-        self.weight,
+        weight,
         context.head_targets,
-        bias=self.bias,
+        bias=bias,
         temperature=context.temperature,
         softcap=spec.softcap,
         return_entropy=context.return_entropy,
@@ -223,43 +273,59 @@ def _lm_head_proxy_forward(self, hidden_states, *args, **kwargs):
     return empty
 
 
-def head_logits(head: HeadSpec, hidden: torch.Tensor) -> torch.Tensor:
-    """Full float32 logits ``softcap(scale * hidden @ W.T + b)`` of a few rows (for checks, not for training)."""
-    logits = head.lm_head._shared_prefix_original_forward(hidden * head.scale if head.scale != 1.0 else hidden)
-    logits = logits.float()
-    if head.softcap is not None:
-        logits = torch.tanh(logits / head.softcap) * head.softcap
+def fused_logits(lm_head: nn.Module, spec: HeadSpec, hidden: torch.Tensor) -> torch.Tensor:
+    """Full float32 logits ``softcap(scale * hidden @ W.T + b)`` as the fused head computes them, with ``W, b`` the
+    head's effective weight and bias (for checks on a few rows, not for training; call inside the forward)."""
+    weight, bias = effective_head(lm_head)
+    hidden = hidden * spec.scale if spec.scale != 1.0 else hidden
+    logits = torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias).float()
+    if spec.softcap is not None:
+        logits = torch.tanh(logits / spec.softcap) * spec.softcap
     return logits
 
 
+def _head_signature(prepared: PreparedModel) -> tuple:
+    """What the head check's verdict depends on: the head module and its PEFT state, the hooks that could change
+    logits on their way out (on the head, the causal LM and the outer module, and global ones), and the logit
+    settings read from the config. A model deep-copied after use has new modules, hence a new signature."""
+    from torch.nn.modules import module as module_globals
+
+    spec = prepared.head
+    lm_head = spec.lm_head
+    hooks = []
+    for module in {id(m): m for m in (lm_head, prepared.causal_lm, prepared.outer)}.values():
+        hooks.append((id(module), tuple(module._forward_hooks), tuple(module._forward_pre_hooks)))
+    global_hooks = (tuple(module_globals._global_forward_hooks), tuple(module_globals._global_forward_pre_hooks))
+    return (id(lm_head), head_state(lm_head), tuple(hooks), global_hooks, spec.scale, spec.softcap)
+
+
 def _verify_head(prepared: PreparedModel) -> None:
-    """Compare the head's logits with the model's own on a few tokens; raise if they differ."""
-    lm_head = prepared.head.lm_head
-    captured = []
-    handle = lm_head.register_forward_hook(lambda module, inputs, output: captured.append(inputs[0].detach()))
+    """Compare the fused head's logits with the model's own on a few tokens, inside one ordinary forward of the
+    outermost module; raise if they differ."""
+    name = type(prepared.causal_lm).__name__
+    check = HeadCheckContext(spec=prepared.head)
     ids = torch.arange(1, min(prepared.input_vocab_size, 5), device=prepared.device)[None]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), activated(check):
             logits = prepared.outer(input_ids=ids, use_cache=False).logits.float()
-    finally:
-        handle.remove()
-    if len(captured) != 1:
-        raise UnsupportedModelError(
-            f"{type(prepared.causal_lm).__name__} called its lm_head {len(captured)} times in one forward"
-        )
-    with torch.no_grad():
-        ours = head_logits(prepared.head, captured[0])
+    except UnsupportedHeadError as error:
+        raise UnsupportedModelError(f"{name}: {error}") from None
+    if check.calls != 1:
+        raise UnsupportedModelError(f"{name} called its lm_head {check.calls} times in one forward")
+    ours = check.fused_logits
     if ours.shape != logits.shape:
         raise UnsupportedModelError(
-            f"{type(prepared.causal_lm).__name__}: logits of shape {tuple(logits.shape)} do not come from the lm_head "
-            f"alone (head gives {tuple(ours.shape)})"
+            f"{name}: logits of shape {tuple(logits.shape)} do not come from the lm_head alone "
+            f"(head gives {tuple(ours.shape)})"
         )
-    tolerance = 1e-4 if lm_head.weight.dtype in (torch.float32, torch.float64) else 2e-2
+    weight_dtype = prepared.head.lm_head.weight.dtype
+    tolerance = 1e-4 if weight_dtype in (torch.float32, torch.float64) else 2e-2
     error = (ours - logits).abs().max().item()
     if not error <= tolerance * max(1.0, logits.abs().max().item()):
         raise UnsupportedModelError(
-            f"{type(prepared.causal_lm).__name__} post-processes its logits in a way the fused head does not "
-            f"reproduce (max |difference| {error:.3g}); refusing to compute log-probs that could be wrong"
+            f"{name} post-processes its logits in a way the fused head does not reproduce (max |difference| "
+            f"{error:.3g}: a config logit setting its class ignores, a hook on the head or the model, or a head "
+            "wrapper); refusing to compute log-probs that could be wrong"
         )
 
 

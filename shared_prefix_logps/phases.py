@@ -128,3 +128,4 @@ def score_rows(
 def _forward(prepared: PreparedModel, input_ids, position_ids, context) -> None:
     with force_non_reentrant_checkpointing(prepared.causal_lm), activated(context):
         prepared.outer(input_ids=input_ids, position_ids=position_ids, use_cache=False, **{CONTEXT_KWARG: context})
+    context.finished = True

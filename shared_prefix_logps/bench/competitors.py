@@ -110,7 +110,7 @@ def _base_implementation(config) -> str:
     from .. import attention
 
     current = config._attn_implementation or "eager"
-    if current == attention.ATTENTION_NAME:
+    if attention.is_shared_prefix_name(current):
         return attention.original_implementation_name(config)
     return current
 

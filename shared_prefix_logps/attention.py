@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from . import flex
-from .context import CONTEXT_KWARG, CaptureContext, SharedContext, cached
+from .context import CONTEXT_KWARG, CaptureContext, PhaseHandle, SharedContext, cached
+from .routing import RouteBox, attach
 
 #: Prefix of the names under which the function is registered. transformers matches implementation names by substring
 #: ("sdpa", "flash", "flex_attention" switch on special code paths), so none of those may appear in a name.
@@ -69,7 +70,8 @@ def _original_attention(module):
 
 def shared_prefix_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers attention-interface entry point; see the module docstring for the dispatch."""
-    context = kwargs.pop(CONTEXT_KWARG, None)
+    handle = kwargs.pop(CONTEXT_KWARG, None)
+    context = handle.context if isinstance(handle, PhaseHandle) else handle
     if context is None:
         return _original_attention(module)(module, query, key, value, attention_mask, **kwargs)
     for name in _UNSUPPORTED_KWARGS:
@@ -94,12 +96,18 @@ def shared_prefix_attention(module, query, key, value, attention_mask, **kwargs)
     window = kwargs.get("sliding_window")
     _check_single_call(module, context)
     if isinstance(context, CaptureContext):
-        # Checkpointed layers come back here when backward recomputes them (after the forward finished); the first
-        # recording is the one Phase 2 built its graph on, so it is kept.
-        context.kv.setdefault(module, (key, value))
         if context.packed:
-            return flex.packed_capture_attention(query, key, value, context, window, options), None
-        return _capture_attention(query, key, value, context, window, options), None
+            output = flex.packed_capture_attention(query, key, value, context, window, options)
+        else:
+            output = _capture_attention(query, key, value, context, window, options)
+        if context.finished:
+            # An activation-checkpoint recomputation during backward: the first recording is the one Phase 2 built
+            # its graph on; the recomputed keys/values only refill that graph's saved tensors.
+            return output, None
+        context.kv[module] = (key, value)
+        box = context.routes[module] = RouteBox()
+        # The keys/values leave the layer on its output, so wrappers see their gradient arrive there.
+        return attach(output, box, key, value), None
     if isinstance(context, SharedContext):
         if context.packed:
             return flex.packed_shared_attention(module, query, key, value, context, window, options), None

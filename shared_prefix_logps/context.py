@@ -35,6 +35,9 @@ class CaptureContext:
         needs_grad: whether the caller expects gradients through the captured keys/values.
         packed: the layout; when packed, ``segments`` (total,) int64 gives each token's prompt index.
         kv: attention module -> (key, value), each (rows, num_kv_heads, length, head_dim) in the layout above.
+            While the forward runs they are the raw tensors, each pair riding on its layer's attention output
+            (``routes``); afterwards they are the pairs released from the model's output (see ``routing``).
+        routes: attention module -> :class:`~shared_prefix_logps.routing.RouteBox` of its (key, value).
         masks: attention masks built once per phase, keyed by their kind and sliding window.
         finished: set once the phase's forward has returned; attention calls after that are activation-checkpoint
             recomputations during backward.
@@ -46,6 +49,7 @@ class CaptureContext:
     packed: bool = False
     segments: torch.Tensor | None = None
     kv: dict = field(default_factory=dict)
+    routes: dict = field(default_factory=dict)
     masks: dict = field(default_factory=dict)
     finished: bool = False
 
@@ -78,7 +82,9 @@ class SharedContext:
         needs_grad: whether the caller expects gradients.
         head_spec: the model's :class:`~shared_prefix_logps.model_support.HeadSpec` (scale, softcap, lm_head).
         packed: the layout; when packed, ``query_rows`` (num_valid,) int64 gives each query token's row.
-        logps / entropy: written by the lm_head proxy: (num_valid,) float32.
+        logps / entropy: (num_valid,) float32: written by the lm_head proxy (riding on its output, ``route``), then
+            replaced by the ones released from the model's output.
+        route: :class:`~shared_prefix_logps.routing.RouteBox` of the head's results.
         masks: attention masks built once per phase, keyed by their kind and sliding window.
         finished: as for :class:`CaptureContext`.
         called: attention modules the phase's forward has run (each may run once).
@@ -97,6 +103,7 @@ class SharedContext:
     query_rows: torch.Tensor | None = None
     logps: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
+    route: object = None
     masks: dict = field(default_factory=dict)
     finished: bool = False
     called: set = field(default_factory=set)
@@ -116,6 +123,27 @@ class HeadCheckContext:
     spec: object
     fused_logits: torch.Tensor | None = None
     calls: int = 0
+
+
+class PhaseHandle:
+    """What travels as the ``shared_prefix_context`` model kwarg: an opaque holder of the phase context.
+
+    Wrappers traverse forward kwargs and rebuild what they recognise: FSDP2's input casting rebuilds dataclasses
+    (``dataclasses.replace``), so a context passed directly would arrive as a copy and the keys/values recorded
+    into it would be lost. A plain object with no tensors and no dataclass fields passes through unchanged; copying
+    it (``copy``/``deepcopy``) keeps the same context.
+    """
+
+    __slots__ = ("context",)
+
+    def __init__(self, context):
+        self.context = context
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
 
 
 def cached(context: CaptureContext | SharedContext, key, build):

@@ -23,6 +23,7 @@ from . import attention
 from .context import CaptureContext, HeadCheckContext, SharedContext, activated, active_context
 from .errors import UnsupportedModelError
 from .head_weights import UnsupportedHeadError, effective_head, head_state
+from .routing import RouteBox, attach
 
 #: Decoder-only families whose attention goes through transformers' AttentionInterface and whose head the library
 #: reproduces; each is covered by the test suite.
@@ -241,12 +242,11 @@ def _lm_head_proxy_forward(self, hidden_states, *args, **kwargs):
         with torch.no_grad():
             context.fused_logits = fused_logits(self, context.spec, hidden_states)
         return logits
-    # Phase 1 needs no logits at all; Phase 2 hands its result back through the context. The model still gets a
-    # tensor of the right rank (with an empty vocabulary axis) for any post-processing it applies. It is a view of
-    # the hidden states, so DDP's search for unused parameters walks the real graph from it.
-    empty = hidden_states[..., :0]
+    # Neither phase returns logits: the model gets a tensor of the right rank with an empty vocabulary axis, for any
+    # post-processing it applies. It is a view of the hidden states, so gradient reaching the model's output flows
+    # on into the model (wrappers' backward hooks fire on the way), and DDP's unused-parameter search walks it.
     if isinstance(context, CaptureContext):
-        return empty
+        return hidden_states[..., :0]
     if not isinstance(context, SharedContext):
         raise TypeError(f"unexpected phase context {type(context).__name__}")
     from .head import linear_logps
@@ -256,7 +256,7 @@ def _lm_head_proxy_forward(self, hidden_states, *args, **kwargs):
     if spec.scale != 1.0:
         hidden = hidden * spec.scale
     weight, bias = effective_head(self)
-    result = linear_logps(
+    results = linear_logps(
         hidden,
         weight,
         context.head_targets,
@@ -266,11 +266,10 @@ def _lm_head_proxy_forward(self, hidden_states, *args, **kwargs):
         return_entropy=context.return_entropy,
         chunk_size=HEAD_CHUNK_ROWS,
     )
-    if context.return_entropy:
-        context.logps, context.entropy = result
-    else:
-        context.logps = result
-    return empty
+    results = results if context.return_entropy else (results,)
+    context.route = RouteBox()
+    # The log-probs leave on the head's output (and so on the model's), where wrappers see their gradient arrive.
+    return attach(hidden_states[..., :0], context.route, *results)
 
 
 def fused_logits(lm_head: nn.Module, spec: HeadSpec, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from .context import CONTEXT_KWARG, CaptureContext, SharedContext, activated
+from .context import CONTEXT_KWARG, CaptureContext, PhaseHandle, SharedContext, activated
 from .inputs import GroupedBatch
 from .model_support import PreparedModel, force_non_reentrant_checkpointing
 from .output import scatter_valid
+from .routing import release
 
 
 def capture_prefix(
@@ -52,9 +53,12 @@ def capture_prefix(
     else:
         context = CaptureContext(key_valid=prefix_mask, positions=positions, needs_grad=needs_grad)
         input_ids = prefix_ids
-    _forward(prepared, input_ids, context.positions, context)
+    output = _forward(prepared, input_ids, context.positions, context)
     if not context.kv:
         raise ValueError(f"{type(prepared.causal_lm).__name__} ran no attention layer through the shared-prefix path")
+    modules = list(context.kv)
+    released = release(output, [context.routes[module] for module in modules])
+    context.kv = {module: (released[2 * i], released[2 * i + 1]) for i, module in enumerate(modules)}
     return context
 
 
@@ -101,9 +105,12 @@ def score_completions(
     else:
         context = SharedContext(positions=positions, query_valid=valid, **common)
         input_ids = query_ids
-    _forward(prepared, input_ids, context.positions, context)
-    if context.logps is None:
+    output = _forward(prepared, input_ids, context.positions, context)
+    if context.route is None:
         raise ValueError(f"{type(prepared.causal_lm).__name__} did not call its lm_head inside its forward")
+    released = release(output, [context.route])
+    context.logps = released[0]
+    context.entropy = released[1] if return_entropy else None
     return context
 
 
@@ -125,7 +132,15 @@ def score_rows(
     return scatter_valid(scored.logps, mask), scatter_valid(scored.entropy, mask) if return_entropy else None
 
 
-def _forward(prepared: PreparedModel, input_ids, position_ids, context) -> None:
+def _forward(prepared: PreparedModel, input_ids, position_ids, context) -> torch.Tensor:
+    """One forward of the outermost module in a phase; returns the model's logits output (an empty-vocabulary
+    tensor derived from every result the phase attached)."""
     with force_non_reentrant_checkpointing(prepared.causal_lm), activated(context):
-        prepared.outer(input_ids=input_ids, position_ids=position_ids, use_cache=False, **{CONTEXT_KWARG: context})
+        output = prepared.outer(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, **{CONTEXT_KWARG: PhaseHandle(context)}
+        )
     context.finished = True
+    logits = output.logits if hasattr(output, "logits") else output[0]
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{type(prepared.outer).__name__} returned no logits tensor")
+    return logits

@@ -79,7 +79,7 @@ def shared_prefix_attention(module, query, key, value, attention_mask, **kwargs)
         dropout=kwargs.get("dropout", 0.0) if module.training else 0.0,
         sinks=_sink_logits(module, kwargs.get("s_aux"), query),
     )
-    window = kwargs.get("sliding_window")
+    window = _sliding_window(module, kwargs)
     if isinstance(context, CaptureContext):
         # Checkpointed layers come back here when backward recomputes them; the first recording is the one Phase 2
         # built its graph on, so it is kept.
@@ -109,6 +109,15 @@ def _sink_logits(module, s_aux, query):
             f"sink logit per head ({query.shape[1]},)"
         )
     return s_aux
+
+
+def _sliding_window(module, kwargs):
+    """The layer's sliding window: the ``sliding_window`` kwarg when the model passes one (even None), else the
+    module's attribute. Some models (Qwen2-MoE) apply their window only through the mask transformers builds, which
+    the shared path does not use, and record it on the attention module only."""
+    if "sliding_window" in kwargs:
+        return kwargs["sliding_window"]
+    return getattr(module, "sliding_window", None)
 
 
 def _capture_attention(query, key, value, context: CaptureContext, window, options):

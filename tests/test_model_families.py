@@ -167,3 +167,48 @@ def test_chunked_backward_matches_dense(family):
         assert (out.logps - dense.logps.detach()).abs().max() <= 1e-5
         grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
         assert max_relative_grad_error(grads, expected) <= 1e-4, chunk
+
+
+def _tiny_moe_for_trl():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from trl_tiny import SPECIALS, WORDS
+
+    config = Qwen3MoeConfig(
+        vocab_size=len(SPECIALS) + len(WORDS),
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+        pad_token_id=0,
+        eos_token_id=1,
+    )  # router_aux_loss_coef keeps its default, 0.001, as in the released configs
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config)
+    model.generation_config.eos_token_id = 1
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def test_trl_refuses_the_moe_aux_loss_and_trains_without_it(tmp_path):
+    pytest.importorskip("trl")
+    from trl_tiny import make_trainer
+
+    from shared_prefix_logps.integrations.trl import patch_grpo_trainer
+
+    trainer = make_trainer(tmp_path, model=_tiny_moe_for_trl(), max_steps=1)
+    assert trainer.aux_loss_enabled  # TRL takes the coefficient from the model config
+    for mode in ("logps", "chunked"):
+        with pytest.raises(NotImplementedError, match="router_aux_loss_coef=0.0"):
+            patch_grpo_trainer(trainer, mode=mode)
+    trainer = make_trainer(tmp_path, model=_tiny_moe_for_trl(), max_steps=1, router_aux_loss_coef=0.0)
+    patch = patch_grpo_trainer(trainer)  # self-check on: the first calls are compared with TRL's own forward
+    trainer.train()
+    assert patch.stats.shared_calls > 0 and patch.stats.fallback_calls == 0
+    assert patch.stats.self_checks and all(check.passed for check in patch.stats.self_checks)

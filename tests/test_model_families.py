@@ -212,3 +212,25 @@ def test_trl_refuses_the_moe_aux_loss_and_trains_without_it(tmp_path):
     trainer.train()
     assert patch.stats.shared_calls > 0 and patch.stats.fallback_calls == 0
     assert patch.stats.self_checks and all(check.passed for check in patch.stats.self_checks)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+def test_non_reentrant_checkpointing(family):
+    model = build_model(family)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # checkpointing only runs in training mode (both tiny configs have no dropout or router noise)
+    prompts, pmask, comps, cmask = make_batch(3, 3, prompt_len=10, completion_len=6, seed=11)
+    errors = compare_with_dense(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, return_entropy=True)
+    _assert_exact(errors)
+
+
+def test_lora_on_latent_attention():
+    peft = pytest.importorskip("peft")
+    from tiny_models import randomize_lora
+
+    # Adapters on the MLA projections that build queries and the per-head keys/values from the latent.
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_b_proj", "kv_b_proj", "o_proj"], lora_dropout=0.0)
+    model = randomize_lora(peft.get_peft_model(build_model("deepseek_v3"), config))
+    prompts, pmask, comps, cmask = make_batch(3, 3, prompt_len=10, completion_len=6, seed=12)
+    errors = compare_with_dense(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, return_entropy=True)
+    _assert_exact(errors)

@@ -26,8 +26,9 @@ ATTENTION_NAME = "shared_prefix_logps"
 # Separates ATTENTION_NAME from the hex-encoded name of the implementation the model had before.
 _ORIGINAL_SEPARATOR = "__"
 
-# Attention kwargs that change the math in ways the shared path does not implement.
-_UNSUPPORTED_KWARGS = ("s_aux", "sinks", "attention_chunk_size", "position_bias")
+# Attention kwargs that change the math in ways the shared path does not implement. (``sinks`` is the per-token
+# variant some models pass; the per-head learned sinks of GPT-OSS arrive as ``s_aux`` and are implemented.)
+_UNSUPPORTED_KWARGS = ("sinks", "attention_chunk_size", "position_bias")
 
 
 class ReentrantCheckpointError(RuntimeError):
@@ -92,8 +93,9 @@ def shared_prefix_attention(module, query, key, value, attention_mask, **kwargs)
         scaling=scaling,
         softcap=kwargs.get("softcap"),
         dropout=kwargs.get("dropout", 0.0) if module.training else 0.0,
+        sinks=_sink_logits(module, kwargs.get("s_aux"), query),
     )
-    window = kwargs.get("sliding_window")
+    window = _sliding_window(module, kwargs)
     _check_single_call(module, context)
     if isinstance(context, CaptureContext):
         if context.packed:
@@ -132,6 +134,32 @@ def _check_single_call(module, context) -> None:
         )
     if isinstance(context, SharedContext):
         context.called.add(module)
+
+
+def _sink_logits(module, s_aux, query):
+    """The per-head attention-sink logits ``s_aux`` (GPT-OSS) as a (heads,) tensor, or None.
+
+    Only a learned logit per head is understood (a sink column every query adds to its softmax denominator);
+    anything shaped otherwise is refused rather than broadcast into something else.
+    """
+    if s_aux is None:
+        return None
+    if not isinstance(s_aux, torch.Tensor) or s_aux.dim() != 1 or s_aux.shape[0] != query.shape[1]:
+        shape = tuple(s_aux.shape) if isinstance(s_aux, torch.Tensor) else type(s_aux).__name__
+        raise ValueError(
+            f"{type(module).__name__} passes `s_aux` of shape {shape}; the shared-prefix path supports one attention "
+            f"sink logit per head ({query.shape[1]},)"
+        )
+    return s_aux
+
+
+def _sliding_window(module, kwargs):
+    """The layer's sliding window: the ``sliding_window`` kwarg when the model passes one (even None), else the
+    module's attribute. Some models (Qwen2-MoE) apply their window only through the mask transformers builds, which
+    the shared path does not use, and record it on the attention module only."""
+    if "sliding_window" in kwargs:
+        return kwargs["sliding_window"]
+    return getattr(module, "sliding_window", None)
 
 
 def _capture_attention(query, key, value, context: CaptureContext, window, options):
@@ -194,32 +222,48 @@ def completion_prefix_mask(context: SharedContext, window) -> torch.Tensor:
     return mask[:, None]
 
 
-def masked_attention(query, key, value, mask, *, scaling, softcap, dropout) -> torch.Tensor:
+def masked_attention(query, key, value, mask, *, scaling, softcap, dropout, sinks=None) -> torch.Tensor:
     """Softmax attention with a boolean mask.
 
     Args:
         query: (batch, heads, q_len, head_dim).
-        key, value: (batch, kv_heads, k_len, head_dim); kv_heads divides heads (grouped-query attention).
+        key: (batch, kv_heads, k_len, head_dim); value: (batch, kv_heads, k_len, v_head_dim) (MLA: v_head_dim may
+            differ from head_dim); kv_heads divides heads (grouped-query attention).
         mask: bool, broadcastable to (batch, 1, q_len, k_len); True where a query may attend. Every query row must
             have at least one True.
         scaling: multiplies the scores; softcap: scores -> softcap * tanh(scores / softcap) when not None.
+        sinks: (heads,) attention-sink logits or None; each head's sink joins the softmax denominator of every
+            query (as one more key whose value is zero), so the weights over real keys sum to less than one.
 
     Returns:
-        (batch, q_len, heads, head_dim) in ``query``'s dtype, the layout transformers expects back.
+        (batch, q_len, heads, v_head_dim) in ``query``'s dtype, the layout transformers expects back.
     """
     groups = query.shape[1] // key.shape[1]
-    if softcap is None:
+    if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=groups > 1
         )
         return out.transpose(1, 2).contiguous()
+    # SDPA takes neither a softcap nor sinks: compute the scores explicitly.
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    probs = _softmax_with_sinks(scores, sinks).to(query.dtype)
     if dropout:
         probs = F.dropout(probs, p=dropout)
     return torch.matmul(probs, value).transpose(1, 2).contiguous()
+
+
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """float32 softmax of (batch, heads, q_len, k_len) ``scores`` over keys, with each head's sink logit as one more
+    entry of the denominator when ``sinks`` (heads,) is given; the sink's own weight is dropped (as in transformers'
+    GPT-OSS eager attention). The sink gets its gradient through the denominator."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32)
+    sink = sinks.to(torch.float32).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    combined = torch.cat([scores.float(), sink], dim=-1)
+    return torch.softmax(combined, dim=-1)[..., :-1]

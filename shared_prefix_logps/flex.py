@@ -39,12 +39,20 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=True)
 
 
-def _flex_call(query, key, value, *, block_mask, scale, score_mod):
-    from torch.nn.attention.flex_attention import flex_attention
+def _flex_call(query, key, value, *, block_mask, scale, score_mod, return_lse=False):
+    """flex_attention over (1, heads, q_len, head_dim) queries; with ``return_lse`` also the (1, heads, q_len)
+    float32 log-sum-exp of each query's scores (natural log)."""
+    from torch.nn.attention import flex_attention as flex_module
 
-    fn = _compiled_flex() if query.device.type == "cuda" else flex_attention
+    fn = _compiled_flex() if query.device.type == "cuda" else flex_module.flex_attention
     enable_gqa = query.shape[1] != key.shape[1]
-    return fn(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    options = dict(score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    if not return_lse:
+        return fn(query, key, value, **options)
+    if hasattr(flex_module, "AuxRequest"):
+        out, aux = fn(query, key, value, return_aux=flex_module.AuxRequest(lse=True), **options)
+        return out, aux.lse
+    return fn(query, key, value, return_lse=True, **options)
 
 
 def _round_up(n: int) -> int:
@@ -155,6 +163,7 @@ def _attend(query, key, value, block_mask, q_len, n, options, kv_len=None):
     if options["dropout"]:
         raise ValueError("the flex backend does not apply attention dropout; use backend='expand'")
     kv_len = q_len if kv_len is None else kv_len
+    sinks = options.get("sinks")
     out = _flex_call(
         _pad_seq(query, q_len),
         _pad_seq(key, kv_len),
@@ -162,5 +171,19 @@ def _attend(query, key, value, block_mask, q_len, n, options, kv_len=None):
         block_mask=block_mask,
         scale=options["scaling"],
         score_mod=_score_mod(options["softcap"]),
+        return_lse=sinks is not None,
     )
+    if sinks is not None:
+        out = _apply_sinks(*out, sinks)
     return out[:, :, :n].transpose(1, 2).contiguous()
+
+
+def _apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Renormalize flex's output for attention sinks (a score_mod cannot add a denominator term).
+
+    ``out`` (1, heads, q_len, v_head_dim) is softmax-weighted over the real keys, whose scores have log-sum-exp
+    ``lse`` (1, heads, q_len); a sink logit ``s`` per head adds ``exp(s)`` to the denominator, which scales every
+    weight by ``exp(lse) / (exp(lse) + exp(s)) = sigmoid(lse - s)``. Differentiable in ``out``, ``lse`` and ``sinks``.
+    """
+    factor = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))
+    return (out.float() * factor[..., None]).to(out.dtype)

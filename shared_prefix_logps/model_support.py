@@ -26,8 +26,30 @@ from .head_weights import UnsupportedHeadError, effective_head, head_state
 from .routing import RouteBox, attach
 
 #: Decoder-only families whose attention goes through transformers' AttentionInterface and whose head the library
-#: reproduces; each is covered by the test suite.
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "phi3"})
+#: reproduces; each is covered by the test suite (tests/test_compute_logps.py, tests/test_model_families.py).
+SUPPORTED_MODEL_TYPES = frozenset(
+    {
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma2",
+        "phi3",
+        # mixture-of-experts: routing is per token, so forwarding a prompt once routes it as the dense rows do
+        "qwen2_moe",
+        "qwen3_moe",
+        "mixtral",
+        "gpt_oss",  # also attention sinks (s_aux)
+        "glm4_moe",
+        "deepseek_v3",  # also multi-head latent attention (key head dim != value head dim)
+        "gemma3_text",
+        "olmo2",
+        "cohere",
+        "cohere2",
+        "glm4",
+        "granite",
+    }
+)
 
 #: Rows of completion tokens per chunk of the fused head; None lets the head size chunks from its memory budget.
 HEAD_CHUNK_ROWS: int | None = None
@@ -105,6 +127,12 @@ def prepare_model(model: nn.Module) -> PreparedModel:
         )
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"model type {model_type!r} is an encoder-decoder model")
+    if getattr(config, "use_bidirectional_attention", False):
+        # Gemma3 embedding variants: every token sees later ones, so a completion changes its prompt's states.
+        raise UnsupportedModelError(
+            f"model type {model_type!r} ({type(causal_lm).__name__}) has use_bidirectional_attention=True; "
+            "the shared-prefix path needs causal attention"
+        )
     head = _head_spec(causal_lm)
     _install_attention(causal_lm)
     _install_head_proxy(head.lm_head)

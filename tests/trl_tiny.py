@@ -82,15 +82,15 @@ class Record:
     log_history: list = field(default_factory=list)
 
 
-def make_trainer(tmp_path, *, kind: str = "plain", seed: int = 0, trainer_class=None, **overrides):
-    """A GRPOTrainer on the tiny model. ``kind``: ``plain`` (model instance), ``ref`` (saved to a directory so TRL
-    can build its reference model, for beta > 0), ``peft`` (LoRA; reference = the disabled adapter). Other keyword
-    arguments override ``GRPOConfig`` fields."""
+def make_trainer(tmp_path, *, kind: str = "plain", seed: int = 0, trainer_class=None, model=None, **overrides):
+    """A GRPOTrainer on the tiny model (or ``model``, whose vocabulary must fit the tokenizer's). ``kind``: ``plain``
+    (model instance), ``ref`` (saved to a directory so TRL can build its reference model, for beta > 0), ``peft``
+    (LoRA; reference = the disabled adapter). Other keyword arguments override ``GRPOConfig`` fields."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
     tokenizer = build_tokenizer()
-    model = build_model(seed)
+    model = build_model(seed) if model is None else model
     peft_config = None
     if kind == "ref":
         path = tmp_path / "tiny_qwen2"

@@ -110,7 +110,8 @@ def patch_grpo_trainer(
 
     Raises:
         UnsupportedModelError: the policy or reference model cannot take the shared path.
-        NotImplementedError: ``mode="chunked"`` under DeepSpeed, FSDP or Megatron, with an MoE aux loss, a LOMO
+        NotImplementedError: the trainer adds the MoE router aux loss (``aux_loss_enabled``; either mode), or
+            ``mode="chunked"`` under DeepSpeed, FSDP or Megatron, with a LOMO
             optimizer, or a trainer subclass that overrides ``_compute_loss``.
         ValueError / TypeError: bad options, or not a GRPOTrainer, or already patched.
     """
@@ -127,6 +128,7 @@ def patch_grpo_trainer(
             raise TypeError(f"expected a trl GRPOTrainer; {type(trainer).__name__} has no {name!r}")
     if getattr(trainer, _PATCH_ATTRIBUTE, None) is not None:
         raise ValueError("this trainer is patched already; call unpatch_grpo_trainer(trainer) first")
+    _check_no_aux_loss(trainer)
     if mode == "chunked":
         _check_chunked_supported(trainer)
 
@@ -183,6 +185,24 @@ def _replace(trainer, patch: GRPOPatch, name: str, value) -> None:
     setattr(trainer, name, value)
 
 
+def _check_no_aux_loss(trainer) -> None:
+    """Refuse a trainer that adds the MoE router load-balancing loss to its loss (TRL's ``aux_loss_enabled``).
+
+    TRL asks for it on every policy forward (``compute_aux_loss=True``). The shared path does not compute it: the
+    dense loss counts each prompt token once per completion row and includes each row's last token, which the
+    shared forward never processes. Patched anyway, ``logps`` mode would hand every policy call back to TRL's
+    full-row forward (sharing nothing where it matters) and ``chunked`` mode would drop the term from the loss.
+    """
+    if not getattr(trainer, "aux_loss_enabled", False):
+        return
+    coef = getattr(trainer, "router_aux_loss_coef", None)
+    raise NotImplementedError(
+        f"this GRPOTrainer adds the MoE router aux loss (router_aux_loss_coef={coef}, taken from GRPOConfig or the "
+        "model config, which has output_router_logits), and the shared-prefix path does not compute it. Set "
+        "GRPOConfig(router_aux_loss_coef=0.0) to train without it, or leave the trainer unpatched."
+    )
+
+
 def _check_chunked_supported(trainer) -> None:
     """Refuse configurations the chunked step cannot reproduce exactly, with the reason."""
     from accelerate.utils import DistributedType
@@ -200,8 +220,6 @@ def _check_chunked_supported(trainer) -> None:
             f"mode='chunked' reproduces TRL 1.15/1.16's GRPO loss; this trainer lacks {', '.join(missing)}. "
             "Use mode='logps'."
         )
-    if getattr(trainer, "aux_loss_enabled", False):
-        raise NotImplementedError("mode='chunked' does not compute the MoE router aux loss; use mode='logps'")
     if "lomo" in str(getattr(trainer.args, "optim", "")).lower():
         raise NotImplementedError("mode='chunked' does not support LOMO optimizers (they step inside backward)")
     try:

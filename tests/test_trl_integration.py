@@ -22,7 +22,7 @@ if version("trl").startswith("1.15.") and not torch.cuda.is_available() and os.e
         allow_module_level=True,
     )
 
-from trl_tiny import make_trainer, record_training  # noqa: E402
+from trl_tiny import make_trainer, record_training, scripted_generate  # noqa: E402
 
 from shared_prefix_logps.integrations import _trl_chunked, _trl_utils  # noqa: E402
 from shared_prefix_logps.integrations._trl_chunked import regroup_rows  # noqa: E402
@@ -410,3 +410,25 @@ def test_chunked_mode_forwards_a_few_generations_at_a_time(tmp_path):
     prompts = [s for s in shapes if s[0] == 1]
     chunks = [s for s in shapes if s[0] != 1]
     assert len(prompts) <= 2 and len(chunks) == 2 * 4 and all(rows == 2 for rows, _ in chunks), shapes
+
+
+@pytest.mark.parametrize("mode", ["logps", "chunked"])
+def test_all_masked_micro_batch_steps_like_unpatched(mode, tmp_path, monkeypatch):
+    """``mask_truncated_completions=True`` and every completion of step 2 truncated: that micro-batch's loss is a
+    constant 0. Unpatched TRL still back-propagates it, so every parameter gets a zero ``.grad`` and Adam moves every
+    parameter by its momentum (and counts the step). The patched trainer must do the same: not crash (no graph), and
+    not skip the step for lack of ``.grad``."""
+    config = dict(mask_truncated_completions=True, max_steps=3)
+    scripted_generate(monkeypatch, truncated_calls={1})
+    base = record_training(make_trainer(tmp_path / "base", **config))
+    scripted_generate(monkeypatch, truncated_calls={1})
+    trainer = make_trainer(tmp_path / "patched", **config)
+    patch = patch_grpo_trainer(trainer, mode=mode)
+    run = record_training(trainer)
+
+    assert any(entry.get("completions/clipped_ratio") == 1.0 for entry in base.log_history)
+    assert run.global_step == base.global_step == 3 and run.optimizer_steps == base.optimizer_steps == 3
+    assert run.losses == pytest.approx(base.losses, rel=1e-4, abs=1e-7) and run.losses[1] == 0.0
+    worst = max(float((run.params[n] - value).abs().max()) for n, value in base.params.items())
+    assert worst <= 1e-5, worst
+    assert patch.stats.fallback_calls == 0 and all(check.passed for check in patch.stats.self_checks)

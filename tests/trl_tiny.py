@@ -63,6 +63,33 @@ def build_model(seed: int = 0):
     return model
 
 
+def scripted_generate(monkeypatch, truncated_calls, *, eos_token_id: int = 1, pad_token_id: int = 0):
+    """Replace the models' ``generate`` with a deterministic script: call ``i`` (0-based) continues every prompt with
+    ``max_new_tokens`` random words; unless ``i in truncated_calls``, each row ends with EOS at a random length and is
+    padded after it. A call in ``truncated_calls`` gives only truncated completions (no EOS), which
+    ``mask_truncated_completions=True`` masks entirely. Both runs of a comparison see the same completions."""
+    from transformers.generation.utils import GenerationMixin
+
+    calls = []
+
+    def generate(self, input_ids=None, generation_config=None, **kwargs):
+        index = len(calls)
+        calls.append(index)
+        length = generation_config.max_new_tokens
+        gen = torch.Generator().manual_seed(1000 + index)
+        rows = input_ids.shape[0]
+        completion = torch.randint(len(SPECIALS), len(SPECIALS) + len(WORDS), (rows, length), generator=gen)
+        if index not in truncated_calls:
+            ends = torch.randint(1, length, (rows,), generator=gen)  # EOS position; shorter than the limit
+            columns = torch.arange(length)[None, :]
+            completion[columns == ends[:, None]] = eos_token_id
+            completion[columns > ends[:, None]] = pad_token_id
+        return torch.cat([input_ids, completion.to(input_ids.device)], dim=1)
+
+    monkeypatch.setattr(GenerationMixin, "generate", generate)
+    return calls
+
+
 def reward_len(prompts, completions, **kwargs):
     """Prefer completions of about 4 words."""
     return [-abs(len(c.split()) - 4) for c in completions]

@@ -236,12 +236,17 @@ def test_chunked_self_check_catches_a_wrong_loss(tmp_path, monkeypatch):
 
 def test_unpatch_restores_the_trainer(trainer):
     cls = type(trainer)
+    own_loss = trainer.compute_loss  # an instance attribute of the user's: kept through patch and unpatch
+    trainer.compute_loss = own_loss
     patch_grpo_trainer(trainer, mode="chunked")
-    assert "_get_per_token_logps_and_entropies" in trainer.__dict__ and "training_step" in trainer.__dict__
+    replaced = ("_get_per_token_logps_and_entropies", "compute_loss")
+    assert all(name in trainer.__dict__ for name in replaced) and trainer.compute_loss is not own_loss
+    assert "backward" in trainer.accelerator.__dict__ and "training_step" not in trainer.__dict__
     with pytest.raises(ValueError, match="patched already"):
         patch_grpo_trainer(trainer)
     unpatch_grpo_trainer(trainer)
-    assert "_get_per_token_logps_and_entropies" not in trainer.__dict__ and "training_step" not in trainer.__dict__
+    assert "_get_per_token_logps_and_entropies" not in trainer.__dict__ and trainer.__dict__["compute_loss"] is own_loss
+    assert "backward" not in trainer.accelerator.__dict__ and "training_step" not in trainer.__dict__
     assert trainer._get_per_token_logps_and_entropies.__func__ is cls._get_per_token_logps_and_entropies
     with pytest.raises(ValueError, match="not patched"):
         unpatch_grpo_trainer(trainer)
@@ -332,10 +337,18 @@ def _ddp_worker(rank, port, path, results):
         top_entropy_quantile=0.6,  # quantile gathered over both processes
         ddp_backend="gloo",
     )
+    from unittest import mock
+
+    from trl import GRPOTrainer
+
     for mode in (None, "logps", "chunked"):
         trainer = make_trainer(path, **config)
         patch = patch_grpo_trainer(trainer, mode=mode) if mode else None
-        run = record_training(trainer)
+        # a class-level patch of training_step (as TRL's tests do) must still see every micro-batch
+        with mock.patch.object(
+            GRPOTrainer, "training_step", autospec=True, side_effect=GRPOTrainer.training_step
+        ) as step:
+            run = record_training(trainer)
         assert type(trainer.model_wrapped).__name__ == "DistributedDataParallel"
         results[f"{mode}{rank}"] = dict(
             grads=run.first_grads,
@@ -345,6 +358,7 @@ def _ddp_worker(rank, port, path, results):
             steps=(run.global_step, run.optimizer_steps),
             log=[{k: v for k, v in e.items() if k not in TIMING_KEYS} for e in run.log_history],
             checks=None if patch is None else [c.passed for c in patch.stats.self_checks],
+            class_steps=step.call_count,
         )
 
 
@@ -366,6 +380,7 @@ def test_two_process_ddp_matches_unpatched(tmp_path):
             run = results[f"{mode}{rank}"]
             assert run["checks"] and all(run["checks"])
             assert run["steps"] == base["steps"] == (3, 3) and run["lrs"] == base["lrs"]
+            assert run["class_steps"] == base["class_steps"] == 6
             assert run["losses"] == pytest.approx(base["losses"], rel=1e-4, abs=1e-6)
             errors = [_relative(run["grads"][n], g) for n, g in base["grads"].items()]
             assert max(errors) <= 1e-4, (mode, max(errors))
@@ -432,3 +447,22 @@ def test_all_masked_micro_batch_steps_like_unpatched(mode, tmp_path, monkeypatch
     worst = max(float((run.params[n] - value).abs().max()) for n, value in base.params.items())
     assert worst <= 1e-5, worst
     assert patch.stats.fallback_calls == 0 and all(check.passed for check in patch.stats.self_checks)
+
+
+@pytest.mark.parametrize("mode", ["logps", "chunked"])
+def test_class_level_training_step_patch_still_runs(mode, tmp_path):
+    """``patch.object(GRPOTrainer, "training_step", ...)`` (as TRL's own tests mock it) must still see every
+    micro-batch: the plug-in installs no ``training_step`` of its own on the instance, which would shadow the class."""
+    from unittest import mock
+
+    from trl import GRPOTrainer
+
+    trainer = make_trainer(tmp_path, max_steps=2, gradient_accumulation_steps=2)
+    patch = patch_grpo_trainer(trainer, mode=mode)
+    with mock.patch.object(GRPOTrainer, "training_step", autospec=True, side_effect=GRPOTrainer.training_step) as step:
+        trainer.train()
+    assert step.call_count == 4 and all(call.args[0] is trainer for call in step.call_args_list)
+    assert "training_step" not in trainer.__dict__
+    assert trainer.state.global_step == 2
+    if mode == "chunked":
+        assert patch.stats.chunked_steps == 4

@@ -1,16 +1,19 @@
 """``mode="chunked"``: each TRL micro-batch's forward and backward run through ``chunked_backward``.
 
 What stays TRL's: the training loop (transformers' ``Trainer``: optimizer, LR scheduler, gradient clipping,
-``global_step``), ``GRPOTrainer.training_step`` (``self._step`` bookkeeping, step time), ``_prepare_inputs``
-(generation, buffering, shuffling) and every logged metric. The patch swaps, for the duration of one
-``training_step`` call only, the two things in between:
+``global_step``), ``training_step`` (``GRPOTrainer``'s ``self._step`` bookkeeping and step time, or whatever the
+trainer's class holds when it is called: the patch does not replace it), ``_prepare_inputs`` (generation, buffering,
+shuffling) and every logged metric. The patch replaces, on the instances and for its lifetime, the two things a
+training step calls in between:
 
 - ``trainer.compute_loss``: instead of one graph over the micro-batch, the rows are regrouped by prompt and
   ``chunked_backward`` runs forward+backward chunk by chunk with ``shared_prefix_logps.losses.grpo_loss`` under
   ``trl_micro_batch_counts``, so that the chunk losses sum to exactly TRL's micro-batch loss (its per-micro-batch
   normalizers, ``/ gradient_accumulation_steps`` included). It returns TRL's own loss value, computed by TRL's
-  ``_compute_loss`` on the (detached) log-probs, which also logs every metric once per micro-batch as usual;
-- ``trainer.accelerator.backward``: skipped for that returned (already back-propagated) loss.
+  ``_compute_loss`` on the (detached) log-probs, which also logs every metric once per micro-batch as usual.
+  Outside training (evaluation runs it without gradient) it is the trainer's own;
+- ``trainer.accelerator.backward``: skipped for that returned (already back-propagated) loss; any other loss is
+  back-propagated as usual. Under DDP the gradients are then averaged at the accumulation boundary (``_trl_ddp``).
 
 The loss gradient is checked against TRL's own on the first micro-batch (``self_check``): TRL's ``_compute_loss``
 is differentiated with respect to leaf log-probs/entropies and compared with ``grpo_loss``'s gradient.
@@ -198,8 +201,6 @@ class MicroBatchLoss:
 
 def unsupported_reason(trainer, model, inputs) -> str | None:
     """Why this micro-batch cannot take the chunked path (it then runs TRL's own), or None."""
-    if not torch.is_grad_enabled() or not trainer.model.training:
-        return "not training"
     if getattr(trainer, "aux_loss_enabled", False):
         return "MoE router aux loss"
     present = [key for key in _MULTIMODAL_KEYS if inputs.get(key) is not None]
@@ -214,39 +215,48 @@ def unsupported_reason(trainer, model, inputs) -> str | None:
 
 
 class ChunkedStep:
-    """Installed as ``trainer.training_step``: TRL's own training step around a chunked forward+backward."""
+    """The chunked forward+backward inside the trainer's own training step.
 
-    def __init__(self, patch, original_training_step, logps_patch):
+    :meth:`compute_loss` is installed as ``trainer.compute_loss`` and :meth:`backward` as
+    ``trainer.accelerator.backward`` (instance attributes, for the patch's lifetime). A training step calls
+    ``compute_loss`` then ``accelerator.backward`` on the loss it returned: when ``compute_loss`` ran the chunked
+    path (the backward happened inside it), that one backward is skipped.
+
+    Args:
+        patch: the ``GRPOPatch`` handle.
+        logps_patch: the installed ``LogpsPatch`` (its ``original`` method serves the self-check).
+        previous_compute_loss, previous_backward: the methods without the patch (:class:`~._trl_utils.Unpatched`),
+            for micro-batches the chunked path does not serve.
+    """
+
+    def __init__(self, patch, logps_patch, previous_compute_loss, previous_backward):
         self.patch = patch
-        self.original_training_step = original_training_step
         self.logps_patch = logps_patch
+        self.previous_compute_loss = previous_compute_loss
+        self.previous_backward = previous_backward
         self.skip_backward = False
         self.checked = False
-        self.previous_compute_loss = None
-        self.previous_backward = None
-
-    def __call__(self, model, inputs, *args, **kwargs):
-        trainer = self.patch.trainer
-        self.previous_compute_loss = trainer.compute_loss
-        self.previous_backward = trainer.accelerator.backward
-        self.skip_backward = False
-        with (
-            instance_attribute(trainer, "compute_loss", self.compute_loss),
-            instance_attribute(trainer.accelerator, "backward", self.backward),
-        ):
-            loss = self.original_training_step(model, inputs, *args, **kwargs)
-        sync_bypassed_ddp(self.patch)
-        return loss
 
     def backward(self, loss, **kwargs):
-        """``accelerator.backward`` during the step: the chunked loss was back-propagated already."""
+        """``accelerator.backward``: skipped once after a chunked ``compute_loss`` (it back-propagated already);
+        then, under DDP, the gradients are averaged at the accumulation boundary."""
         if self.skip_backward:
             self.skip_backward = False
-            return None
-        return self.previous_backward(loss, **kwargs)
+            result = None
+        else:
+            result = self.previous_backward(loss, **kwargs)
+        sync_bypassed_ddp(self.patch)
+        return result
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         trainer = self.patch.trainer
+        # A compute_loss whose backward did not follow (it raised) must not make the next backward skip.
+        self.skip_backward = False
+        if not torch.is_grad_enabled() or not trainer.model.training:
+            # Evaluation (prediction_step): no backward follows; nothing for the chunked path to do.
+            return self.previous_compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         reason = "return_outputs=True" if return_outputs else unsupported_reason(trainer, model, inputs)
         if reason is not None:
             stats = self.patch.stats

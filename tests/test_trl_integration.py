@@ -427,26 +427,39 @@ def test_chunked_mode_forwards_a_few_generations_at_a_time(tmp_path):
     assert len(prompts) <= 2 and len(chunks) == 2 * 4 and all(rows == 2 for rows, _ in chunks), shapes
 
 
+@pytest.mark.parametrize("truncated_step", [1, 2])
 @pytest.mark.parametrize("mode", ["logps", "chunked"])
-def test_all_masked_micro_batch_steps_like_unpatched(mode, tmp_path, monkeypatch):
-    """``mask_truncated_completions=True`` and every completion of step 2 truncated: that micro-batch's loss is a
+def test_all_masked_micro_batch_steps_like_unpatched(mode, truncated_step, tmp_path, monkeypatch):
+    """``mask_truncated_completions=True`` and every completion of one step truncated: that micro-batch's loss is a
     constant 0. Unpatched TRL still back-propagates it, so every parameter gets a zero ``.grad`` and Adam moves every
     parameter by its momentum (and counts the step). The patched trainer must do the same: not crash (no graph), and
-    not skip the step for lack of ``.grad``."""
+    not skip the step for lack of ``.grad``. When it is the first step, the self-checks wait for the next one."""
     config = dict(mask_truncated_completions=True, max_steps=3)
-    scripted_generate(monkeypatch, truncated_calls={1})
+    scripted_generate(monkeypatch, truncated_calls={truncated_step - 1})
     base = record_training(make_trainer(tmp_path / "base", **config))
-    scripted_generate(monkeypatch, truncated_calls={1})
+    scripted_generate(monkeypatch, truncated_calls={truncated_step - 1})
     trainer = make_trainer(tmp_path / "patched", **config)
     patch = patch_grpo_trainer(trainer, mode=mode)
     run = record_training(trainer)
 
     assert any(entry.get("completions/clipped_ratio") == 1.0 for entry in base.log_history)
     assert run.global_step == base.global_step == 3 and run.optimizer_steps == base.optimizer_steps == 3
-    assert run.losses == pytest.approx(base.losses, rel=1e-4, abs=1e-7) and run.losses[1] == 0.0
+    assert run.losses == pytest.approx(base.losses, rel=1e-4, abs=1e-7) and run.losses[truncated_step - 1] == 0.0
+    # Skipping the all-masked step moved parameters by 8.6e-4 (truncated_step=2); float noise stays below 1e-4
     worst = max(float((run.params[n] - value).abs().max()) for n, value in base.params.items())
-    assert worst <= 1e-5, worst
-    assert patch.stats.fallback_calls == 0 and all(check.passed for check in patch.stats.self_checks)
+    assert worst <= 1e-4, worst
+    stats = patch.stats
+    assert stats.fallback_calls == 0 and all(check.passed for check in stats.self_checks)
+    if mode == "chunked":
+        assert {check.what for check in stats.self_checks} >= {
+            "chunked logps (grad)",
+            "chunked loss gradient (relative)",
+        }
+        if truncated_step == 1:
+            assert stats.trivial_self_checks == {
+                "chunked loss gradient (TRL's gradient is zero)": 1,
+                "chunked logps (no valid token)": 1,
+            }
 
 
 @pytest.mark.parametrize("mode", ["logps", "chunked"])
@@ -466,3 +479,41 @@ def test_class_level_training_step_patch_still_runs(mode, tmp_path):
     assert trainer.state.global_step == 2
     if mode == "chunked":
         assert patch.stats.chunked_steps == 4
+
+
+def _flat_first_rewards(prompts, completions, **kwargs):
+    """:func:`trl_tiny.reward_len`, except that the first generation batch gets the same reward everywhere: its
+    advantages, hence TRL's loss and its gradient, are exactly 0 (beta = 0)."""
+    from trl_tiny import reward_len
+
+    _flat_first_rewards.calls += 1
+    return [0.0] * len(completions) if _flat_first_rewards.calls == 1 else reward_len(prompts, completions)
+
+
+def test_chunked_loss_check_waits_for_a_non_zero_gradient(tmp_path):
+    """A first micro-batch whose loss gradient is exactly 0 compares nothing: the loss-gradient self-check must not be
+    spent on it, but run on the first micro-batch with a non-zero gradient (and the skip be recorded)."""
+    _flat_first_rewards.calls = 0
+    trainer = make_trainer(tmp_path, max_steps=2, reward_func=_flat_first_rewards)
+    patch = patch_grpo_trainer(trainer, mode="chunked")
+    trainer.train()
+    loss_checks = [c for c in patch.stats.self_checks if c.what.startswith("chunked loss gradient")]
+    assert patch.stats.trivial_self_checks == {"chunked loss gradient (TRL's gradient is zero)": 1}
+    assert len(loss_checks) == 1 and loss_checks[0].passed
+    assert "postponed" in patch.stats.summary()
+
+
+def test_chunked_self_check_catches_a_wrong_loss_after_a_zero_gradient_micro_batch(tmp_path, monkeypatch):
+    real = _trl_chunked.trl_micro_batch_counts
+
+    def doubled(*args, **kwargs):
+        counts = real(*args, **kwargs)
+        return {**counts, "num_items_in_batch": counts["num_items_in_batch"] * 2}
+
+    monkeypatch.setattr(_trl_chunked, "trl_micro_batch_counts", doubled)
+    _flat_first_rewards.calls = 0
+    trainer = make_trainer(tmp_path, max_steps=2, reward_func=_flat_first_rewards)
+    patch_grpo_trainer(trainer, mode="chunked")
+    with pytest.raises(SelfCheckError, match="does not reproduce TRL"):
+        trainer.train()
+    assert trainer.state.global_step == 1  # caught in the second step

@@ -109,10 +109,12 @@ class Record:
     log_history: list = field(default_factory=list)
 
 
-def make_trainer(tmp_path, *, kind: str = "plain", seed: int = 0, trainer_class=None, **overrides):
+def make_trainer(
+    tmp_path, *, kind: str = "plain", seed: int = 0, trainer_class=None, reward_func=reward_len, **overrides
+):
     """A GRPOTrainer on the tiny model. ``kind``: ``plain`` (model instance), ``ref`` (saved to a directory so TRL
     can build its reference model, for beta > 0), ``peft`` (LoRA; reference = the disabled adapter). Other keyword
-    arguments override ``GRPOConfig`` fields."""
+    arguments override ``GRPOConfig`` fields; ``reward_func`` replaces :func:`reward_len`."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -153,7 +155,7 @@ def make_trainer(tmp_path, *, kind: str = "plain", seed: int = 0, trainer_class=
     torch.manual_seed(seed)
     return (trainer_class or GRPOTrainer)(
         model=model,
-        reward_funcs=reward_len,
+        reward_funcs=reward_func,
         args=GRPOConfig(**settings),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
         processing_class=tokenizer,

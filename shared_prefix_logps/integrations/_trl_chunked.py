@@ -15,8 +15,11 @@ training step calls in between:
 - ``trainer.accelerator.backward``: skipped for that returned (already back-propagated) loss; any other loss is
   back-propagated as usual. Under DDP the gradients are then averaged at the accumulation boundary (``_trl_ddp``).
 
-The loss gradient is checked against TRL's own on the first micro-batch (``self_check``): TRL's ``_compute_loss``
-is differentiated with respect to leaf log-probs/entropies and compared with ``grpo_loss``'s gradient.
+The loss gradient is checked against TRL's own (``self_check``): TRL's ``_compute_loss`` is differentiated with
+respect to leaf log-probs/entropies and compared with ``grpo_loss``'s gradient, on the first micro-batch where TRL's
+gradient is not exactly zero (a zero gradient, e.g. every advantage 0, would pass whatever the normalizers; such
+micro-batches are counted in ``PatchStats.trivial_self_checks``). The chunked log-probs are compared with TRL's on the
+first micro-batch with a valid completion token.
 """
 
 from __future__ import annotations
@@ -235,7 +238,8 @@ class ChunkedStep:
         self.previous_compute_loss = previous_compute_loss
         self.previous_backward = previous_backward
         self.skip_backward = False
-        self.checked = False
+        self.checked = False  # the loss-gradient self-check ran (on a micro-batch with a non-zero TRL gradient)
+        self.logps_checked = False  # the chunked log-probs were compared with TRL's (on a micro-batch with a token)
 
     def backward(self, loss, **kwargs):
         """``accelerator.backward``: skipped once after a chunked ``compute_loss`` (it back-propagated already);
@@ -295,7 +299,6 @@ class ChunkedStep:
             torch.cat([prompt_ids, completion_ids], dim=1), torch.cat([prompt_mask, completion_mask], dim=1), width
         )
         check = patch.self_check and not self.checked
-        self.checked = True
         trl_loss = self.trl_loss(inner, inputs, logps, entropies, loss_of_rows, check)
         discrepancy = abs(float(total) - float(trl_loss)) / max(1.0, abs(float(trl_loss)))
         stats.max_loss_discrepancy = max(stats.max_loss_discrepancy, discrepancy)
@@ -304,13 +307,29 @@ class ChunkedStep:
                 f"shared_prefix_logps self-check failed: chunk losses sum to {float(total):.8g}, TRL's loss on the "
                 f"same log-probs is {float(trl_loss):.8g}"
             )
-        if check and dropout_active(inner):
-            patch.warn("shared_prefix_logps: self-check of the chunked log-probs skipped: dropout is active")
-        elif check:
-            valid = completion_mask != 0
-            reference = self._original_logps(inner, prompt_ids, prompt_mask, completion_ids, completion_mask)
-            self.logps_patch.check_result("chunked logps (grad)", logps, entropies, reference, valid)
+        valid = completion_mask != 0
+        if patch.self_check and not self.logps_checked:
+            self._check_logps(inner, inputs, logps, entropies, valid)
         return trl_loss.detach()
+
+    def _check_logps(self, model, inputs, logps, entropies, valid) -> None:
+        """Compare the chunked (B, C) log-probs/entropies with TRL's own, once, on a micro-batch with a valid token
+        (with none, the comparison would cover nothing and is postponed)."""
+        if not bool(valid.any()):
+            self._record_trivial("chunked logps (no valid token)")
+            return
+        self.logps_checked = True
+        if dropout_active(model):
+            self.patch.warn("shared_prefix_logps: self-check of the chunked log-probs skipped: dropout is active")
+            return
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        reference = self._original_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        self.logps_patch.check_result("chunked logps (grad)", logps, entropies, reference, valid)
+
+    def _record_trivial(self, what: str) -> None:
+        trivial = self.patch.stats.trivial_self_checks
+        trivial[what] = trivial.get(what, 0) + 1
 
     def _entropy_mask(self, forward_model, inputs, loss_mask) -> torch.Tensor:
         """TRL's high-entropy mask of the micro-batch, from one scoring pass without gradient.
@@ -389,7 +408,8 @@ class ChunkedStep:
 
         ``_get_per_token_logps_and_entropies`` is stubbed to return the given tensors, so no model runs. With
         ``check``, the stubbed tensors are leaves and TRL's gradient with respect to them is compared with
-        ``grpo_loss``'s (this checks every argument and normalizer the chunked loss takes from the trainer).
+        ``grpo_loss``'s (this checks every argument and normalizer the chunked loss takes from the trainer); the check
+        counts as done (``self.checked``) only if TRL's gradient was not exactly zero.
         """
         trainer = self.patch.trainer
         leaf_logps = logps.detach().clone().requires_grad_(check)
@@ -403,11 +423,17 @@ class ChunkedStep:
         with grad_mode, instance_attribute(trainer, "_get_per_token_logps_and_entropies", stub):
             loss = trainer._compute_loss(model, inputs)
         if check:
-            self._check_loss_gradient(loss, leaf_logps, leaf_entropies, loss_of_rows)
+            self.checked = self._check_loss_gradient(loss, leaf_logps, leaf_entropies, loss_of_rows)
         return loss.detach()
 
-    def _check_loss_gradient(self, trl_loss, leaf_logps, leaf_entropies, loss_of_rows) -> None:
+    def _check_loss_gradient(self, trl_loss, leaf_logps, leaf_entropies, loss_of_rows) -> bool:
+        """Compare ``grpo_loss``'s gradient with TRL's; raise on mismatch. Returns False, comparing nothing, when TRL's
+        gradient is exactly zero (no signal: every advantage 0, or every token masked): then any normalizer or clip
+        setting would pass, so the check waits for a later micro-batch."""
         trl_grads = torch.autograd.grad(trl_loss, [leaf_logps, leaf_entropies], allow_unused=True)
+        if not any(grad is not None and bool((grad != 0).any()) for grad in trl_grads):
+            self._record_trivial("chunked loss gradient (TRL's gradient is zero)")
+            return False
         logps = leaf_logps.detach().clone().requires_grad_(True)
         entropies = leaf_entropies.detach().clone().requires_grad_(True)
         rows = torch.arange(logps.shape[0], device=logps.device)
@@ -442,3 +468,4 @@ class ChunkedStep:
                 f"({check.detail}; max relative gradient difference {check.max_abs:.3g}). This TRL version or "
                 "trainer subclass computes its loss differently; use mode='logps'."
             )
+        return True

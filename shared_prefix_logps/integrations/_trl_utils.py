@@ -55,6 +55,9 @@ class PatchStats:
         chunked_steps: micro-batches whose backward ran through ``chunked_backward``.
         chunked_calls: ``chunked_backward`` calls (one per group size present in a micro-batch).
         self_checks: every comparison made against the unpatched trainer.
+        trivial_self_checks: chunked mode: self-checks postponed because the micro-batch would have compared nothing,
+            per reason (a loss gradient that is exactly zero, e.g. every advantage 0; no valid completion token).
+            Each check runs on the first micro-batch where it is not trivial.
         max_loss_discrepancy: chunked mode: the largest ``|sum of chunk losses - TRL's loss on the same log-probs|``
             relative to ``max(1, |loss|)``, over all chunked steps.
     """
@@ -69,6 +72,7 @@ class PatchStats:
     chunked_steps: int = 0
     chunked_calls: int = 0
     self_checks: list[SelfCheck] = field(default_factory=list)
+    trivial_self_checks: dict[str, int] = field(default_factory=dict)
     max_loss_discrepancy: float = 0.0
 
     def record_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> None:
@@ -95,6 +99,8 @@ class PatchStats:
                 f"chunked backward: {self.chunked_steps} micro-batches, {self.chunked_calls} chunked_backward calls, "
                 f"max |loss - TRL loss| = {self.max_loss_discrepancy:.2e}"
             )
+        for what, count in self.trivial_self_checks.items():
+            lines.append(f"self-check {what}: postponed on {count} trivial micro-batch(es)")
         for check in self.self_checks:
             entropy = "" if check.max_abs_entropy is None else f", entropy max|diff| {check.max_abs_entropy:.2e}"
             lines.append(

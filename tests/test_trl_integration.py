@@ -460,6 +460,10 @@ def test_all_masked_micro_batch_steps_like_unpatched(mode, truncated_step, tmp_p
                 "chunked loss gradient (TRL's gradient is zero)": 1,
                 "chunked logps (no valid token)": 1,
             }
+    else:
+        assert "logps (grad)" in {check.what for check in stats.self_checks}
+        if truncated_step == 1:
+            assert stats.trivial_self_checks == {"logps (grad) (no valid token)": 1}
 
 
 @pytest.mark.parametrize("mode", ["logps", "chunked"])

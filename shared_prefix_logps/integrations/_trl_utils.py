@@ -55,9 +55,9 @@ class PatchStats:
         chunked_steps: micro-batches whose backward ran through ``chunked_backward``.
         chunked_calls: ``chunked_backward`` calls (one per group size present in a micro-batch).
         self_checks: every comparison made against the unpatched trainer.
-        trivial_self_checks: chunked mode: self-checks postponed because the micro-batch would have compared nothing,
-            per reason (a loss gradient that is exactly zero, e.g. every advantage 0; no valid completion token).
-            Each check runs on the first micro-batch where it is not trivial.
+        trivial_self_checks: self-checks postponed because the batch would have compared nothing, per check and
+            reason (no valid completion token; chunked mode: a loss gradient that is exactly zero, e.g. every
+            advantage 0). Each check runs on the first batch where it is not trivial.
         max_loss_discrepancy: chunked mode: the largest ``|sum of chunk losses - TRL's loss on the same log-probs|``
             relative to ``max(1, |loss|)``, over all chunked steps.
     """

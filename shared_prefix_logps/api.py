@@ -144,15 +144,24 @@ def run_batch(
     backend = resolve_backend(backend, prepared.device)
     temperature = float(temperature)
     rows, length = batch.completion_ids.shape
-    logps = torch.zeros(rows, length, device=batch.completion_ids.device)
+    mask = batch.completion_mask
+    nothing_valid = not mask.any()
+    if nothing_valid and not torch.is_grad_enabled():
+        logps = torch.zeros(rows, length, device=batch.completion_ids.device)
+        return LogpsOutput(logps, torch.zeros_like(logps) if return_entropy else None, mask)
+    if nothing_valid:
+        # With gradient an all-masked batch still runs the model: its (zero) result must hang off the model's graph
+        # through the model's own forward, as the dense path's does, so that a loss built from it back-propagates
+        # (every parameter gets a zero gradient; DDP/FSDP see an ordinary forward and backward). Completions with
+        # no column at all get one masked column to forward; the result is cut back to the caller's width below.
+        batch = batch.with_one_column()
+    logps = torch.zeros(batch.completion_ids.shape, device=batch.completion_ids.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
-    if not batch.completion_mask.any():
-        return LogpsOutput(logps, entropy, batch.completion_mask)
     if backend == "dense":
         part = batch.select_rows(torch.arange(rows, device=logps.device))
         values = dense_logps(prepared, part, temperature=temperature, return_entropy=return_entropy)
         write_rows(logps, entropy, torch.arange(rows, device=logps.device), values)
-        return LogpsOutput(logps, entropy, batch.completion_mask)
+        return _output(logps, entropy, mask)
     packed = backend == "flex"
     budget = None if torch.is_grad_enabled() else (token_budget or DEFAULT_TOKEN_BUDGET)
     for prompt_indices in plan_prompt_chunks(batch.prompt_mask, budget):
@@ -161,11 +170,20 @@ def run_batch(
         prefix_cost = 0 if packed else sub.prompt_ids.shape[1]
         for local_rows in plan_row_chunks(sub.completion_mask, prefix_cost, budget):
             part = sub.select_rows(local_rows)
-            if not part.completion_mask.any():
-                continue
+            if not part.completion_mask.any() and not nothing_valid:
+                continue  # zeros already; an all-masked batch is forwarded anyway (see above)
             values = score_rows(
                 prepared, part, capture, temperature=temperature, return_entropy=return_entropy, packed=packed
             )
             write_rows(logps, entropy, sub_rows[local_rows], values)
         del capture
-    return LogpsOutput(logps, entropy, batch.completion_mask)
+    return _output(logps, entropy, mask)
+
+
+def _output(logps: torch.Tensor, entropy: torch.Tensor | None, mask: torch.Tensor) -> LogpsOutput:
+    """The result at the caller's width ``mask.shape[1]`` (the computed tensors may have one extra masked column)."""
+    width = mask.shape[1]
+    if logps.shape[1] != width:
+        logps = logps[:, :width]
+        entropy = None if entropy is None else entropy[:, :width]
+    return LogpsOutput(logps, entropy, mask)

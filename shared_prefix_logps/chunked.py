@@ -38,6 +38,8 @@ def chunked_backward(
 
     Afterwards every parameter's ``.grad`` has grown by the gradient of ``sum(loss_fn(chunk) for chunk)``, exactly
     as if one graph over all completions had been backpropagated, while only one chunk's activations were alive.
+    That holds when no completion token is valid too: every parameter the forward uses then gets a zero ``.grad``
+    (not None), so optimizers that step on zero gradients (Adam's momentum) step as they would on the one graph.
 
     Args:
         model, prompts, completions, prompt_mask, completion_mask, temperature, return_entropy, backend:
@@ -80,11 +82,14 @@ def chunked_backward(
     logps = torch.zeros(rows, length, device=batch.completion_ids.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
     starts = torch.arange(num_prompts, device=logps.device) * generations
+    # With no valid token anywhere, autograd of the summed losses still gives every parameter a zero gradient (and
+    # optimizers such as Adam step on it): the chunks then run anyway so that backward reaches every parameter.
+    score_empty = not batch.completion_mask.any()
     for first in range(0, generations, generations_per_chunk):
         offsets = torch.arange(first, min(first + generations_per_chunk, generations), device=logps.device)
         chunk_rows = (starts[:, None] + offsets[None, :]).reshape(-1)
         part = batch.select_rows(chunk_rows)
-        chunk_out = _score_chunk(prepared, part, leaves, length, temperature, return_entropy, packed)
+        chunk_out = _score_chunk(prepared, part, leaves, length, temperature, return_entropy, packed, score_empty)
         loss = loss_fn(chunk_out, chunk_rows)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError("loss_fn must return a scalar tensor")
@@ -116,15 +121,25 @@ def _detached_capture(capture: CaptureContext | None) -> CaptureContext | None:
     return leaves
 
 
-def _score_chunk(prepared, part, leaves, length, temperature, return_entropy, packed) -> LogpsOutput:
-    """Phase 2 on one chunk; (rows, C) outputs padded back to the batch's C."""
+def _score_chunk(prepared, part, leaves, length, temperature, return_entropy, packed, score_empty) -> LogpsOutput:
+    """Phase 2 on one chunk; (rows, C) float32 outputs padded back to the batch's C.
+
+    A chunk without a valid token gets plain zeros (no forward) unless ``score_empty``: then it is forwarded too and
+    its zeros are connected to the model's graph (Phase 2 forwards at least one masked column per row for that).
+    """
     chunk_rows = part.completion_ids.shape[0]
     logps = torch.zeros(chunk_rows, length, device=part.completion_ids.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
-    if part.completion_mask.any():
+    if score_empty or part.completion_mask.any():
         values = score_rows(
-            prepared, part, leaves, temperature=float(temperature), return_entropy=return_entropy, packed=packed
+            prepared,
+            part.with_one_column(),
+            leaves,
+            temperature=float(temperature),
+            return_entropy=return_entropy,
+            packed=packed,
         )
+        values = tuple(None if v is None else v[:, :length] for v in values)  # completions without any column
         write_rows(logps, entropy, torch.arange(chunk_rows, device=logps.device), values)
     mask = torch.zeros(chunk_rows, length, dtype=torch.bool, device=logps.device)
     mask[:, : part.completion_mask.shape[1]] = part.completion_mask

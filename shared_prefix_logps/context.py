@@ -75,7 +75,8 @@ class SharedContext:
         capture: the Phase 1 context whose keys/values are the prefixes (None when every prefix is empty).
         group_index: (rows,) int64 index of each row's prompt in the capture.
         positions: (rows, completion_len) int64 position of each query token ((1, num_valid) when packed).
-        query_valid: (rows, completion_len) bool, True where a query token's output is used (all True, packed).
+        query_valid: (rows, completion_len) bool, True where a query token's output is used (packed: all True, or
+            the single False placeholder forwarded when no token is valid).
         head_targets: (num_valid,) int64 next-token ids of the valid query tokens, in row-major order.
         temperature: divides the logits before the log-softmax.
         return_entropy: whether the head also computes the entropy of each valid token's distribution.

@@ -321,8 +321,10 @@ def _head_signature(prepared: PreparedModel) -> tuple:
     lm_head = spec.lm_head
     hooks = []
     for module in {id(m): m for m in (lm_head, prepared.causal_lm, prepared.outer)}.values():
-        hooks.append((id(module), tuple(module._forward_hooks), tuple(module._forward_pre_hooks)))
-    global_hooks = (tuple(module_globals._global_forward_hooks), tuple(module_globals._global_forward_pre_hooks))
+        hooks.append((id(module), tuple(module._forward_hooks)))
+    # Only forward (post) hooks can change logits behind the fused head's back: a pre-hook changes inputs, which the
+    # fused head then receives as the module would.
+    global_hooks = tuple(module_globals._global_forward_hooks)
     return (id(lm_head), head_state(lm_head), tuple(hooks), global_hooks, spec.scale, spec.softcap)
 
 

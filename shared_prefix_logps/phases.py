@@ -93,15 +93,16 @@ def score_completions(
         head_spec=prepared.head,
     )
     if packed:
-        query_rows = torch.arange(rows, device=valid.device)[:, None].expand_as(valid)[valid]
+        forwarded = _packed_queries(valid)
+        query_rows = torch.arange(rows, device=valid.device)[:, None].expand_as(valid)[forwarded]
         context = SharedContext(
-            positions=positions[valid][None],
-            query_valid=torch.ones(1, query_rows.numel(), dtype=torch.bool, device=valid.device),
+            positions=positions[forwarded][None],
+            query_valid=valid[forwarded][None],
             packed=True,
             query_rows=query_rows,
             **common,
         )
-        input_ids = query_ids[valid][None]
+        input_ids = query_ids[forwarded][None]
     else:
         context = SharedContext(positions=positions, query_valid=valid, **common)
         input_ids = query_ids
@@ -130,6 +131,20 @@ def score_rows(
     )
     mask = batch.completion_mask
     return scatter_valid(scored.logps, mask), scatter_valid(scored.entropy, mask) if return_entropy else None
+
+
+def _packed_queries(valid: torch.Tensor) -> torch.Tensor:
+    """(rows, C) bool: the query tokens the packed layout forwards, i.e. the valid ones.
+
+    With no valid token at all (every completion masked, scored with gradient) the first position of the first row
+    is forwarded as a placeholder: a forward needs a token, and the empty result must still come out of the model's
+    forward. Its ``query_valid`` entry is False, so the head computes nothing for it.
+    """
+    if bool(valid.any()):
+        return valid
+    placeholder = torch.zeros_like(valid)
+    placeholder[0, 0] = True
+    return placeholder
 
 
 def _forward(prepared: PreparedModel, input_ids, position_ids, context) -> torch.Tensor:

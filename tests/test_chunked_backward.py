@@ -98,3 +98,45 @@ def test_loss_fn_must_return_a_scalar():
             prompt_mask=pmask,
             completion_mask=cmask,
         )
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_all_masked_leaves_a_zero_grad_on_every_parameter_like_autograd(family, chunk):
+    """Every completion token masked: autograd of the summed chunk losses (one dense graph) gives every parameter a
+    zero gradient, which an optimizer like Adam still steps on. chunked_backward must leave the same zero ``.grad``s,
+    not None (with None the optimizer would skip those parameters)."""
+    model = build_model(family)
+    prompts, pmask, comps, _ = make_batch(2, 3, prompt_len=7, completion_len=5, seed=1)
+    cmask = torch.zeros(comps.shape, dtype=torch.bool)
+    w_logps, w_entropy = _loss_weights(*comps.shape)
+
+    def loss_fn(out, rows):
+        return (out.logps * w_logps[rows]).sum() + (out.entropy * w_entropy[rows]).sum()
+
+    kwargs = dict(prompt_mask=pmask, completion_mask=cmask, return_entropy=True)
+    dense = compute_logps(model, prompts, comps, backend="dense", **kwargs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    expected = torch.autograd.grad(loss_fn(dense, torch.arange(comps.shape[0])), params)
+    model.zero_grad(set_to_none=True)
+    out = chunked_backward(model, prompts, comps, loss_fn, generations_per_chunk=chunk, **kwargs)
+    assert not out.logps.any() and not out.entropy.any()
+    for (name, param), grad in zip(model.named_parameters(), expected):
+        assert param.grad is not None, name
+        assert torch.equal(param.grad, grad) and not param.grad.any(), name
+
+
+def test_completions_without_columns_leave_zero_grads():
+    model = build_model("llama")
+    prompts, pmask, _, _ = make_batch(2, 3, prompt_len=7, completion_len=5)
+    out = chunked_backward(
+        model,
+        prompts,
+        torch.zeros(6, 0, dtype=torch.long),
+        lambda o, r: o.logps.sum() + o.entropy.sum(),
+        generations_per_chunk=2,
+        prompt_mask=pmask,
+        return_entropy=True,
+    )
+    assert out.logps.shape == (6, 0)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from exactness import compare_with_dense
+from exactness import compare_with_dense, weighted_loss
 from tiny_models import FAMILIES, VOCAB, build_model, make_batch
 
 from shared_prefix_logps import compute_logps, compute_logps_concatenated
@@ -142,3 +142,80 @@ def test_all_completions_empty():
     )
     assert out.logps.shape == (2, 3) and not out.mask.any()
     assert (out.logps == 0).all() and (out.entropy == 0).all()
+
+
+def _count_forwards(model):
+    """Forward pre-hook on the outermost module: how many calls it got, and how many with gradient enabled."""
+    calls = {"all": 0, "grad": 0}
+
+    def hook(module, args, kwargs):
+        calls["all"] += 1
+        calls["grad"] += int(torch.is_grad_enabled())
+
+    return calls, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_all_masked_with_grad_is_connected_and_gives_zero_gradients_like_dense(family):
+    """Every completion token masked (TRL: mask_truncated_completions with every completion truncated): with grad
+    enabled the result must hang off the model's graph through the model's own forward, as the dense path's does,
+    so a loss built from it back-propagates and every parameter gets a zero gradient (not None)."""
+    model = build_model(family)
+    prompts, pmask, comps, _ = make_batch(2, 3, prompt_len=7, completion_len=5, seed=2)
+    cmask = torch.zeros(comps.shape, dtype=torch.bool)
+    params = [p for p in model.parameters() if p.requires_grad]
+    calls, handle = _count_forwards(model)
+    try:
+        shared = compute_logps(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, return_entropy=True)
+    finally:
+        handle.remove()
+    assert calls["grad"] >= 1, "no forward of the model with gradient"
+    dense = compute_logps(
+        model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, return_entropy=True, backend="dense"
+    )
+    for out in (shared, dense):
+        assert out.logps.requires_grad and out.entropy.requires_grad
+        assert (out.logps == 0).all() and (out.entropy == 0).all() and not out.mask.any()
+    # allow_unused=False: a parameter the result does not reach raises here
+    shared_grads = torch.autograd.grad(weighted_loss(shared), params)
+    dense_grads = torch.autograd.grad(weighted_loss(dense), params)
+    for ours, theirs in zip(shared_grads, dense_grads):
+        assert torch.equal(ours, theirs) and not ours.any()
+
+
+def test_all_masked_concatenated_backward_fills_every_grad():
+    """The trainer-shaped entry: ``loss.backward()`` on all-masked rows works and leaves zero ``.grad`` everywhere."""
+    model = build_model("qwen2")
+    prompts, pmask, comps, _ = make_batch(2, 2, prompt_len=6, completion_len=4, seed=3)
+    group = torch.arange(2).repeat_interleave(2)
+    input_ids = torch.cat([prompts[group], comps], 1)
+    attention_mask = torch.cat([pmask[group], torch.zeros(comps.shape, dtype=torch.bool)], 1)
+    out = compute_logps_concatenated(model, input_ids, attention_mask, comps.shape[1], return_entropy=True)
+    (out.logps.sum() + out.entropy.sum()).backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None and not param.grad.any(), name
+
+
+def test_all_masked_without_grad_forwards_nothing():
+    model = build_model("llama")
+    prompts, pmask, comps, _ = make_batch(2, 3, prompt_len=7, completion_len=5)
+    with torch.no_grad():  # the first call checks the head with one forward of a few tokens
+        compute_logps(model, prompts, comps, prompt_mask=pmask)
+    calls, handle = _count_forwards(model)
+    try:
+        with torch.no_grad():
+            out = compute_logps(model, prompts, comps, prompt_mask=pmask, completion_mask=torch.zeros_like(comps) == 1)
+    finally:
+        handle.remove()
+    assert calls["all"] == 0 and (out.logps == 0).all() and not out.logps.requires_grad
+
+
+def test_completions_without_columns_with_grad():
+    """Completions with no column at all: the (rows, 0) result is still connected, so ``sum().backward()`` works."""
+    model = build_model("llama")
+    prompts, pmask, _, _ = make_batch(2, 3, prompt_len=7, completion_len=5)
+    out = compute_logps(model, prompts, torch.zeros(6, 0, dtype=torch.long), prompt_mask=pmask, return_entropy=True)
+    assert out.logps.shape == out.entropy.shape == out.mask.shape == (6, 0)
+    assert out.logps.requires_grad
+    out.logps.sum().backward()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())

@@ -75,3 +75,44 @@ def test_scoring_memory_is_flat_in_generations_and_prompts():
     assert p64 <= 1.2 * p8, (p8, p64)
     # Without a budget the same calls do grow, so the bound above is the budget's doing.
     assert _peak_scoring_bytes(model, 2, 32, 10**9, backend) > 2 * g4
+
+
+def test_flex_phase2_without_valid_tokens_forwards_one_placeholder():
+    """Every completion masked (scored with gradient, a batch is no longer skipped): the packed layout has no valid
+    query, but a forward needs a token. One placeholder query is forwarded, the head computes nothing for it, and the
+    rows come back all zero."""
+    from shared_prefix_logps.inputs import group_batch
+    from shared_prefix_logps.model_support import prepare_model
+    from shared_prefix_logps.phases import capture_prefix, score_rows
+
+    model = build_model("gemma2")
+    prepared = prepare_model(model)
+    prompts, pmask, comps, _ = make_batch(2, 3, prompt_len=7, completion_len=5)
+    batch = group_batch(prompts, comps, pmask, torch.zeros(comps.shape, dtype=torch.bool), model=prepared)
+    part = batch.select_rows(torch.arange(comps.shape[0]))
+    assert part.completion_ids.shape == (6, 1)  # one (masked) column is kept
+    shapes = []
+    handle = model.get_input_embeddings().register_forward_pre_hook(lambda m, args: shapes.append(args[0].shape))
+    try:
+        with torch.no_grad():  # flex has no backward on CPU; the forward is what differs here
+            capture = capture_prefix(prepared, part.prompt_ids, part.prompt_mask, packed=True)
+            logps, entropy = score_rows(prepared, part, capture, temperature=1.0, return_entropy=True, packed=True)
+    finally:
+        handle.remove()
+    assert shapes[-1] == (1, 1)
+    assert logps.shape == entropy.shape == (6, 1) and not logps.any() and not entropy.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flex_all_masked_with_grad_gives_zero_gradients_like_dense():
+    model = build_model("llama").cuda()
+    prompts, pmask, comps, _ = make_batch(2, 3, prompt_len=7, completion_len=5)
+    kwargs = dict(prompt_mask=pmask.cuda(), completion_mask=torch.zeros(comps.shape, dtype=torch.bool).cuda())
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = {}
+    for backend in ("flex", "dense"):
+        out = compute_logps(model, prompts.cuda(), comps.cuda(), return_entropy=True, backend=backend, **kwargs)
+        grads[backend] = torch.autograd.grad(out.logps.sum() + out.entropy.sum(), params)
+    for ours, theirs in zip(grads["flex"], grads["dense"]):
+        assert torch.equal(ours, theirs) and not ours.any()

@@ -22,7 +22,7 @@ if version("trl").startswith("1.15.") and not torch.cuda.is_available() and os.e
         allow_module_level=True,
     )
 
-from trl_tiny import make_trainer, record_training  # noqa: E402
+from trl_tiny import make_trainer, record_training, scripted_generate  # noqa: E402
 
 from shared_prefix_logps.integrations import _trl_chunked, _trl_utils  # noqa: E402
 from shared_prefix_logps.integrations._trl_chunked import regroup_rows  # noqa: E402
@@ -236,12 +236,17 @@ def test_chunked_self_check_catches_a_wrong_loss(tmp_path, monkeypatch):
 
 def test_unpatch_restores_the_trainer(trainer):
     cls = type(trainer)
+    own_loss = trainer.compute_loss  # an instance attribute of the user's: kept through patch and unpatch
+    trainer.compute_loss = own_loss
     patch_grpo_trainer(trainer, mode="chunked")
-    assert "_get_per_token_logps_and_entropies" in trainer.__dict__ and "training_step" in trainer.__dict__
+    replaced = ("_get_per_token_logps_and_entropies", "compute_loss")
+    assert all(name in trainer.__dict__ for name in replaced) and trainer.compute_loss is not own_loss
+    assert "backward" in trainer.accelerator.__dict__ and "training_step" not in trainer.__dict__
     with pytest.raises(ValueError, match="patched already"):
         patch_grpo_trainer(trainer)
     unpatch_grpo_trainer(trainer)
-    assert "_get_per_token_logps_and_entropies" not in trainer.__dict__ and "training_step" not in trainer.__dict__
+    assert "_get_per_token_logps_and_entropies" not in trainer.__dict__ and trainer.__dict__["compute_loss"] is own_loss
+    assert "backward" not in trainer.accelerator.__dict__ and "training_step" not in trainer.__dict__
     assert trainer._get_per_token_logps_and_entropies.__func__ is cls._get_per_token_logps_and_entropies
     with pytest.raises(ValueError, match="not patched"):
         unpatch_grpo_trainer(trainer)
@@ -332,10 +337,18 @@ def _ddp_worker(rank, port, path, results):
         top_entropy_quantile=0.6,  # quantile gathered over both processes
         ddp_backend="gloo",
     )
+    from unittest import mock
+
+    from trl import GRPOTrainer
+
     for mode in (None, "logps", "chunked"):
         trainer = make_trainer(path, **config)
         patch = patch_grpo_trainer(trainer, mode=mode) if mode else None
-        run = record_training(trainer)
+        # a class-level patch of training_step (as TRL's tests do) must still see every micro-batch
+        with mock.patch.object(
+            GRPOTrainer, "training_step", autospec=True, side_effect=GRPOTrainer.training_step
+        ) as step:
+            run = record_training(trainer)
         assert type(trainer.model_wrapped).__name__ == "DistributedDataParallel"
         results[f"{mode}{rank}"] = dict(
             grads=run.first_grads,
@@ -345,6 +358,7 @@ def _ddp_worker(rank, port, path, results):
             steps=(run.global_step, run.optimizer_steps),
             log=[{k: v for k, v in e.items() if k not in TIMING_KEYS} for e in run.log_history],
             checks=None if patch is None else [c.passed for c in patch.stats.self_checks],
+            class_steps=step.call_count,
         )
 
 
@@ -366,6 +380,7 @@ def test_two_process_ddp_matches_unpatched(tmp_path):
             run = results[f"{mode}{rank}"]
             assert run["checks"] and all(run["checks"])
             assert run["steps"] == base["steps"] == (3, 3) and run["lrs"] == base["lrs"]
+            assert run["class_steps"] == base["class_steps"] == 6
             assert run["losses"] == pytest.approx(base["losses"], rel=1e-4, abs=1e-6)
             errors = [_relative(run["grads"][n], g) for n, g in base["grads"].items()]
             assert max(errors) <= 1e-4, (mode, max(errors))
@@ -410,3 +425,99 @@ def test_chunked_mode_forwards_a_few_generations_at_a_time(tmp_path):
     prompts = [s for s in shapes if s[0] == 1]
     chunks = [s for s in shapes if s[0] != 1]
     assert len(prompts) <= 2 and len(chunks) == 2 * 4 and all(rows == 2 for rows, _ in chunks), shapes
+
+
+@pytest.mark.parametrize("truncated_step", [1, 2])
+@pytest.mark.parametrize("mode", ["logps", "chunked"])
+def test_all_masked_micro_batch_steps_like_unpatched(mode, truncated_step, tmp_path, monkeypatch):
+    """``mask_truncated_completions=True`` and every completion of one step truncated: that micro-batch's loss is a
+    constant 0. Unpatched TRL still back-propagates it, so every parameter gets a zero ``.grad`` and Adam moves every
+    parameter by its momentum (and counts the step). The patched trainer must do the same: not crash (no graph), and
+    not skip the step for lack of ``.grad``. When it is the first step, the self-checks wait for the next one."""
+    config = dict(mask_truncated_completions=True, max_steps=3)
+    scripted_generate(monkeypatch, truncated_calls={truncated_step - 1})
+    base = record_training(make_trainer(tmp_path / "base", **config))
+    scripted_generate(monkeypatch, truncated_calls={truncated_step - 1})
+    trainer = make_trainer(tmp_path / "patched", **config)
+    patch = patch_grpo_trainer(trainer, mode=mode)
+    run = record_training(trainer)
+
+    assert any(entry.get("completions/clipped_ratio") == 1.0 for entry in base.log_history)
+    assert run.global_step == base.global_step == 3 and run.optimizer_steps == base.optimizer_steps == 3
+    assert run.losses == pytest.approx(base.losses, rel=1e-4, abs=1e-7) and run.losses[truncated_step - 1] == 0.0
+    # Skipping the all-masked step moved parameters by 8.6e-4 (truncated_step=2); float noise stays below 1e-4
+    worst = max(float((run.params[n] - value).abs().max()) for n, value in base.params.items())
+    assert worst <= 1e-4, worst
+    stats = patch.stats
+    assert stats.fallback_calls == 0 and all(check.passed for check in stats.self_checks)
+    if mode == "chunked":
+        assert {check.what for check in stats.self_checks} >= {
+            "chunked logps (grad)",
+            "chunked loss gradient (relative)",
+        }
+        if truncated_step == 1:
+            assert stats.trivial_self_checks == {
+                "chunked loss gradient (TRL's gradient is zero)": 1,
+                "chunked logps (no valid token)": 1,
+            }
+    else:
+        assert "logps (grad)" in {check.what for check in stats.self_checks}
+        if truncated_step == 1:
+            assert stats.trivial_self_checks == {"logps (grad) (no valid token)": 1}
+
+
+@pytest.mark.parametrize("mode", ["logps", "chunked"])
+def test_class_level_training_step_patch_still_runs(mode, tmp_path):
+    """``patch.object(GRPOTrainer, "training_step", ...)`` (as TRL's own tests mock it) must still see every
+    micro-batch: the plug-in installs no ``training_step`` of its own on the instance, which would shadow the class."""
+    from unittest import mock
+
+    from trl import GRPOTrainer
+
+    trainer = make_trainer(tmp_path, max_steps=2, gradient_accumulation_steps=2)
+    patch = patch_grpo_trainer(trainer, mode=mode)
+    with mock.patch.object(GRPOTrainer, "training_step", autospec=True, side_effect=GRPOTrainer.training_step) as step:
+        trainer.train()
+    assert step.call_count == 4 and all(call.args[0] is trainer for call in step.call_args_list)
+    assert "training_step" not in trainer.__dict__
+    assert trainer.state.global_step == 2
+    if mode == "chunked":
+        assert patch.stats.chunked_steps == 4
+
+
+def _flat_first_rewards(prompts, completions, **kwargs):
+    """:func:`trl_tiny.reward_len`, except that the first generation batch gets the same reward everywhere: its
+    advantages, hence TRL's loss and its gradient, are exactly 0 (beta = 0)."""
+    from trl_tiny import reward_len
+
+    _flat_first_rewards.calls += 1
+    return [0.0] * len(completions) if _flat_first_rewards.calls == 1 else reward_len(prompts, completions)
+
+
+def test_chunked_loss_check_waits_for_a_non_zero_gradient(tmp_path):
+    """A first micro-batch whose loss gradient is exactly 0 compares nothing: the loss-gradient self-check must not be
+    spent on it, but run on the first micro-batch with a non-zero gradient (and the skip be recorded)."""
+    _flat_first_rewards.calls = 0
+    trainer = make_trainer(tmp_path, max_steps=2, reward_func=_flat_first_rewards)
+    patch = patch_grpo_trainer(trainer, mode="chunked")
+    trainer.train()
+    loss_checks = [c for c in patch.stats.self_checks if c.what.startswith("chunked loss gradient")]
+    assert patch.stats.trivial_self_checks == {"chunked loss gradient (TRL's gradient is zero)": 1}
+    assert len(loss_checks) == 1 and loss_checks[0].passed
+    assert "postponed" in patch.stats.summary()
+
+
+def test_chunked_self_check_catches_a_wrong_loss_after_a_zero_gradient_micro_batch(tmp_path, monkeypatch):
+    real = _trl_chunked.trl_micro_batch_counts
+
+    def doubled(*args, **kwargs):
+        counts = real(*args, **kwargs)
+        return {**counts, "num_items_in_batch": counts["num_items_in_batch"] * 2}
+
+    monkeypatch.setattr(_trl_chunked, "trl_micro_batch_counts", doubled)
+    _flat_first_rewards.calls = 0
+    trainer = make_trainer(tmp_path, max_steps=2, reward_func=_flat_first_rewards)
+    patch_grpo_trainer(trainer, mode="chunked")
+    with pytest.raises(SelfCheckError, match="does not reproduce TRL"):
+        trainer.train()
+    assert trainer.state.global_step == 1  # caught in the second step

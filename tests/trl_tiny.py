@@ -63,6 +63,33 @@ def build_model(seed: int = 0):
     return model
 
 
+def scripted_generate(monkeypatch, truncated_calls, *, eos_token_id: int = 1, pad_token_id: int = 0):
+    """Replace the models' ``generate`` with a deterministic script: call ``i`` (0-based) continues every prompt with
+    ``max_new_tokens`` random words; unless ``i in truncated_calls``, each row ends with EOS at a random length and is
+    padded after it. A call in ``truncated_calls`` gives only truncated completions (no EOS), which
+    ``mask_truncated_completions=True`` masks entirely. Both runs of a comparison see the same completions."""
+    from transformers.generation.utils import GenerationMixin
+
+    calls = []
+
+    def generate(self, input_ids=None, generation_config=None, **kwargs):
+        index = len(calls)
+        calls.append(index)
+        length = generation_config.max_new_tokens
+        gen = torch.Generator().manual_seed(1000 + index)
+        rows = input_ids.shape[0]
+        completion = torch.randint(len(SPECIALS), len(SPECIALS) + len(WORDS), (rows, length), generator=gen)
+        if index not in truncated_calls:
+            ends = torch.randint(1, length, (rows,), generator=gen)  # EOS position; shorter than the limit
+            columns = torch.arange(length)[None, :]
+            completion[columns == ends[:, None]] = eos_token_id
+            completion[columns > ends[:, None]] = pad_token_id
+        return torch.cat([input_ids, completion.to(input_ids.device)], dim=1)
+
+    monkeypatch.setattr(GenerationMixin, "generate", generate)
+    return calls
+
+
 def reward_len(prompts, completions, **kwargs):
     """Prefer completions of about 4 words."""
     return [-abs(len(c.split()) - 4) for c in completions]
@@ -82,10 +109,13 @@ class Record:
     log_history: list = field(default_factory=list)
 
 
-def make_trainer(tmp_path, *, kind: str = "plain", seed: int = 0, trainer_class=None, model=None, **overrides):
+def make_trainer(
+    tmp_path, *, kind: str = "plain", seed: int = 0, trainer_class=None, model=None, reward_func=reward_len, **overrides
+):
     """A GRPOTrainer on the tiny model (or ``model``, whose vocabulary must fit the tokenizer's). ``kind``: ``plain``
     (model instance), ``ref`` (saved to a directory so TRL can build its reference model, for beta > 0), ``peft``
-    (LoRA; reference = the disabled adapter). Other keyword arguments override ``GRPOConfig`` fields."""
+    (LoRA; reference = the disabled adapter). Other keyword arguments override ``GRPOConfig`` fields;
+    ``reward_func`` replaces :func:`reward_len`."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -126,7 +156,7 @@ def make_trainer(tmp_path, *, kind: str = "plain", seed: int = 0, trainer_class=
     torch.manual_seed(seed)
     return (trainer_class or GRPOTrainer)(
         model=model,
-        reward_funcs=reward_len,
+        reward_funcs=reward_func,
         args=GRPOConfig(**settings),
         train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
         processing_class=tokenizer,

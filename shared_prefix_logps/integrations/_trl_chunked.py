@@ -1,19 +1,25 @@
 """``mode="chunked"``: each TRL micro-batch's forward and backward run through ``chunked_backward``.
 
 What stays TRL's: the training loop (transformers' ``Trainer``: optimizer, LR scheduler, gradient clipping,
-``global_step``), ``GRPOTrainer.training_step`` (``self._step`` bookkeeping, step time), ``_prepare_inputs``
-(generation, buffering, shuffling) and every logged metric. The patch swaps, for the duration of one
-``training_step`` call only, the two things in between:
+``global_step``), ``training_step`` (``GRPOTrainer``'s ``self._step`` bookkeeping and step time, or whatever the
+trainer's class holds when it is called: the patch does not replace it), ``_prepare_inputs`` (generation, buffering,
+shuffling) and every logged metric. The patch replaces, on the instances and for its lifetime, the two things a
+training step calls in between:
 
 - ``trainer.compute_loss``: instead of one graph over the micro-batch, the rows are regrouped by prompt and
   ``chunked_backward`` runs forward+backward chunk by chunk with ``shared_prefix_logps.losses.grpo_loss`` under
   ``trl_micro_batch_counts``, so that the chunk losses sum to exactly TRL's micro-batch loss (its per-micro-batch
   normalizers, ``/ gradient_accumulation_steps`` included). It returns TRL's own loss value, computed by TRL's
-  ``_compute_loss`` on the (detached) log-probs, which also logs every metric once per micro-batch as usual;
-- ``trainer.accelerator.backward``: skipped for that returned (already back-propagated) loss.
+  ``_compute_loss`` on the (detached) log-probs, which also logs every metric once per micro-batch as usual.
+  Outside training (evaluation runs it without gradient) it is the trainer's own;
+- ``trainer.accelerator.backward``: skipped for that returned (already back-propagated) loss; any other loss is
+  back-propagated as usual. Under DDP the gradients are then averaged at the accumulation boundary (``_trl_ddp``).
 
-The loss gradient is checked against TRL's own on the first micro-batch (``self_check``): TRL's ``_compute_loss``
-is differentiated with respect to leaf log-probs/entropies and compared with ``grpo_loss``'s gradient.
+The loss gradient is checked against TRL's own (``self_check``): TRL's ``_compute_loss`` is differentiated with
+respect to leaf log-probs/entropies and compared with ``grpo_loss``'s gradient, on the first micro-batch where TRL's
+gradient is not exactly zero (a zero gradient, e.g. every advantage 0, would pass whatever the normalizers; such
+micro-batches are counted in ``PatchStats.trivial_self_checks``). The chunked log-probs are compared with TRL's on the
+first micro-batch with a valid completion token.
 """
 
 from __future__ import annotations
@@ -198,8 +204,6 @@ class MicroBatchLoss:
 
 def unsupported_reason(trainer, model, inputs) -> str | None:
     """Why this micro-batch cannot take the chunked path (it then runs TRL's own), or None."""
-    if not torch.is_grad_enabled() or not trainer.model.training:
-        return "not training"
     if getattr(trainer, "aux_loss_enabled", False):
         return "MoE router aux loss"
     present = [key for key in _MULTIMODAL_KEYS if inputs.get(key) is not None]
@@ -214,39 +218,49 @@ def unsupported_reason(trainer, model, inputs) -> str | None:
 
 
 class ChunkedStep:
-    """Installed as ``trainer.training_step``: TRL's own training step around a chunked forward+backward."""
+    """The chunked forward+backward inside the trainer's own training step.
 
-    def __init__(self, patch, original_training_step, logps_patch):
+    :meth:`compute_loss` is installed as ``trainer.compute_loss`` and :meth:`backward` as
+    ``trainer.accelerator.backward`` (instance attributes, for the patch's lifetime). A training step calls
+    ``compute_loss`` then ``accelerator.backward`` on the loss it returned: when ``compute_loss`` ran the chunked
+    path (the backward happened inside it), that one backward is skipped.
+
+    Args:
+        patch: the ``GRPOPatch`` handle.
+        logps_patch: the installed ``LogpsPatch`` (its ``original`` method serves the self-check).
+        previous_compute_loss, previous_backward: the methods without the patch (:class:`~._trl_utils.Unpatched`),
+            for micro-batches the chunked path does not serve.
+    """
+
+    def __init__(self, patch, logps_patch, previous_compute_loss, previous_backward):
         self.patch = patch
-        self.original_training_step = original_training_step
         self.logps_patch = logps_patch
+        self.previous_compute_loss = previous_compute_loss
+        self.previous_backward = previous_backward
         self.skip_backward = False
-        self.checked = False
-        self.previous_compute_loss = None
-        self.previous_backward = None
-
-    def __call__(self, model, inputs, *args, **kwargs):
-        trainer = self.patch.trainer
-        self.previous_compute_loss = trainer.compute_loss
-        self.previous_backward = trainer.accelerator.backward
-        self.skip_backward = False
-        with (
-            instance_attribute(trainer, "compute_loss", self.compute_loss),
-            instance_attribute(trainer.accelerator, "backward", self.backward),
-        ):
-            loss = self.original_training_step(model, inputs, *args, **kwargs)
-        sync_bypassed_ddp(self.patch)
-        return loss
+        self.checked = False  # the loss-gradient self-check ran (on a micro-batch with a non-zero TRL gradient)
+        self.logps_checked = False  # the chunked log-probs were compared with TRL's (on a micro-batch with a token)
 
     def backward(self, loss, **kwargs):
-        """``accelerator.backward`` during the step: the chunked loss was back-propagated already."""
+        """``accelerator.backward``: skipped once after a chunked ``compute_loss`` (it back-propagated already);
+        then, under DDP, the gradients are averaged at the accumulation boundary."""
         if self.skip_backward:
             self.skip_backward = False
-            return None
-        return self.previous_backward(loss, **kwargs)
+            result = None
+        else:
+            result = self.previous_backward(loss, **kwargs)
+        sync_bypassed_ddp(self.patch)
+        return result
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         trainer = self.patch.trainer
+        # A compute_loss whose backward did not follow (it raised) must not make the next backward skip.
+        self.skip_backward = False
+        if not torch.is_grad_enabled() or not trainer.model.training:
+            # Evaluation (prediction_step): no backward follows; nothing for the chunked path to do.
+            return self.previous_compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         reason = "return_outputs=True" if return_outputs else unsupported_reason(trainer, model, inputs)
         if reason is not None:
             stats = self.patch.stats
@@ -285,7 +299,6 @@ class ChunkedStep:
             torch.cat([prompt_ids, completion_ids], dim=1), torch.cat([prompt_mask, completion_mask], dim=1), width
         )
         check = patch.self_check and not self.checked
-        self.checked = True
         trl_loss = self.trl_loss(inner, inputs, logps, entropies, loss_of_rows, check)
         discrepancy = abs(float(total) - float(trl_loss)) / max(1.0, abs(float(trl_loss)))
         stats.max_loss_discrepancy = max(stats.max_loss_discrepancy, discrepancy)
@@ -294,13 +307,29 @@ class ChunkedStep:
                 f"shared_prefix_logps self-check failed: chunk losses sum to {float(total):.8g}, TRL's loss on the "
                 f"same log-probs is {float(trl_loss):.8g}"
             )
-        if check and dropout_active(inner):
-            patch.warn("shared_prefix_logps: self-check of the chunked log-probs skipped: dropout is active")
-        elif check:
-            valid = completion_mask != 0
-            reference = self._original_logps(inner, prompt_ids, prompt_mask, completion_ids, completion_mask)
-            self.logps_patch.check_result("chunked logps (grad)", logps, entropies, reference, valid)
+        valid = completion_mask != 0
+        if patch.self_check and not self.logps_checked:
+            self._check_logps(inner, inputs, logps, entropies, valid)
         return trl_loss.detach()
+
+    def _check_logps(self, model, inputs, logps, entropies, valid) -> None:
+        """Compare the chunked (B, C) log-probs/entropies with TRL's own, once, on a micro-batch with a valid token
+        (with none, the comparison would cover nothing and is postponed)."""
+        if not bool(valid.any()):
+            self._record_trivial("chunked logps (no valid token)")
+            return
+        self.logps_checked = True
+        if dropout_active(model):
+            self.patch.warn("shared_prefix_logps: self-check of the chunked log-probs skipped: dropout is active")
+            return
+        prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        reference = self._original_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        self.logps_patch.check_result("chunked logps (grad)", logps, entropies, reference, valid)
+
+    def _record_trivial(self, what: str) -> None:
+        trivial = self.patch.stats.trivial_self_checks
+        trivial[what] = trivial.get(what, 0) + 1
 
     def _entropy_mask(self, forward_model, inputs, loss_mask) -> torch.Tensor:
         """TRL's high-entropy mask of the micro-batch, from one scoring pass without gradient.
@@ -379,7 +408,8 @@ class ChunkedStep:
 
         ``_get_per_token_logps_and_entropies`` is stubbed to return the given tensors, so no model runs. With
         ``check``, the stubbed tensors are leaves and TRL's gradient with respect to them is compared with
-        ``grpo_loss``'s (this checks every argument and normalizer the chunked loss takes from the trainer).
+        ``grpo_loss``'s (this checks every argument and normalizer the chunked loss takes from the trainer); the check
+        counts as done (``self.checked``) only if TRL's gradient was not exactly zero.
         """
         trainer = self.patch.trainer
         leaf_logps = logps.detach().clone().requires_grad_(check)
@@ -393,11 +423,17 @@ class ChunkedStep:
         with grad_mode, instance_attribute(trainer, "_get_per_token_logps_and_entropies", stub):
             loss = trainer._compute_loss(model, inputs)
         if check:
-            self._check_loss_gradient(loss, leaf_logps, leaf_entropies, loss_of_rows)
+            self.checked = self._check_loss_gradient(loss, leaf_logps, leaf_entropies, loss_of_rows)
         return loss.detach()
 
-    def _check_loss_gradient(self, trl_loss, leaf_logps, leaf_entropies, loss_of_rows) -> None:
+    def _check_loss_gradient(self, trl_loss, leaf_logps, leaf_entropies, loss_of_rows) -> bool:
+        """Compare ``grpo_loss``'s gradient with TRL's; raise on mismatch. Returns False, comparing nothing, when TRL's
+        gradient is exactly zero (no signal: every advantage 0, or every token masked): then any normalizer or clip
+        setting would pass, so the check waits for a later micro-batch."""
         trl_grads = torch.autograd.grad(trl_loss, [leaf_logps, leaf_entropies], allow_unused=True)
+        if not any(grad is not None and bool((grad != 0).any()) for grad in trl_grads):
+            self._record_trivial("chunked loss gradient (TRL's gradient is zero)")
+            return False
         logps = leaf_logps.detach().clone().requires_grad_(True)
         entropies = leaf_entropies.detach().clone().requires_grad_(True)
         rows = torch.arange(logps.shape[0], device=logps.device)
@@ -432,3 +468,4 @@ class ChunkedStep:
                 f"({check.detail}; max relative gradient difference {check.max_abs:.3g}). This TRL version or "
                 "trainer subclass computes its loss differently; use mode='logps'."
             )
+        return True

@@ -9,8 +9,11 @@ again (keeping communication hooks and overlap) is left for a change that re-run
 
 So the grad-enabled calls run ``ddp.module`` (DDP's reducer is then not armed, its hooks do nothing), and at the
 accumulation boundary (``accelerator.sync_gradients``) the accumulated gradients are averaged over processes, which is
-what DDP's synchronizing backward computes. Averaging is idempotent: if DDP itself synchronized in that step (a
-micro-batch that fell back to TRL's path through DDP), averaging again leaves the gradients unchanged.
+what DDP's synchronizing backward computes. The averaging runs right after the micro-batch's backward (the plug-in
+replaces ``trainer.accelerator.backward`` on the instance), so ``training_step`` stays the trainer's own, whatever
+its class holds at call time, and clipping and the optimizer step see averaged gradients. Averaging is idempotent:
+if DDP itself synchronized in that step (a micro-batch that fell back to TRL's path through DDP), averaging again
+leaves the gradients unchanged.
 Not reproduced: DDP communication hooks (e.g. gradient compression) and the overlap of all-reduce with backward.
 """
 
@@ -57,23 +60,28 @@ def average_gradients(parameters: list[nn.Parameter], process_group=None, bucket
 
 
 def sync_bypassed_ddp(patch) -> None:
-    """After a training step: if a grad-enabled call bypassed DDP since the last sync and this micro-batch ends
-    the accumulation window, average the gradients now."""
+    """After a micro-batch's backward: if a grad-enabled call bypassed DDP since the last sync and this micro-batch
+    ends the accumulation window, average the gradients now."""
     ddp = patch.bypassed_ddp
     if ddp is not None and patch.trainer.accelerator.sync_gradients:
         average_gradients([p for p in ddp.parameters() if p.requires_grad], ddp.process_group)
         patch.bypassed_ddp = None
 
 
-class DDPStepSync:
-    """Installed as ``trainer.training_step`` in ``mode="logps"`` for multi-process runs: TRL's own step, then
-    :func:`sync_bypassed_ddp`."""
+class DDPBackwardSync:
+    """Installed as ``trainer.accelerator.backward`` in ``mode="logps"`` for multi-process runs: the accelerator's
+    own backward, then :func:`sync_bypassed_ddp`.
 
-    def __init__(self, patch, original_training_step):
+    Args:
+        patch: the ``GRPOPatch`` handle.
+        previous_backward: the backward without the patch (an :class:`~._trl_utils.Unpatched`).
+    """
+
+    def __init__(self, patch, previous_backward):
         self.patch = patch
-        self.original_training_step = original_training_step
+        self.previous_backward = previous_backward
 
-    def __call__(self, model, inputs, *args, **kwargs):
-        loss = self.original_training_step(model, inputs, *args, **kwargs)
+    def __call__(self, loss, **kwargs):
+        result = self.previous_backward(loss, **kwargs)
         sync_bypassed_ddp(self.patch)
-        return loss
+        return result

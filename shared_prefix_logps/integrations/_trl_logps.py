@@ -83,8 +83,15 @@ class LogpsPatch:
         result = self.pack(out.logps, out.entropy)
         key = "logps (grad)" if torch.is_grad_enabled() else "logps (no grad)"
         if self.patch.self_check and key not in self.checked:
-            self.checked.add(key)
-            self.self_check(key, model, input_ids, attention_mask, logits_to_keep, args, kwargs, out, compute_entropy)
+            if not bool(out.mask.any()):
+                # Every completion token masked: the comparison would cover nothing; the next call of this kind does it.
+                trivial = stats.trivial_self_checks
+                trivial[f"{key} (no valid token)"] = trivial.get(f"{key} (no valid token)", 0) + 1
+            else:
+                self.checked.add(key)
+                self.self_check(
+                    key, model, input_ids, attention_mask, logits_to_keep, args, kwargs, out, compute_entropy
+                )
         return result
 
     def compute(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy):

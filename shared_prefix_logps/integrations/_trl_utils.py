@@ -55,6 +55,9 @@ class PatchStats:
         chunked_steps: micro-batches whose backward ran through ``chunked_backward``.
         chunked_calls: ``chunked_backward`` calls (one per group size present in a micro-batch).
         self_checks: every comparison made against the unpatched trainer.
+        trivial_self_checks: self-checks postponed because the batch would have compared nothing, per check and
+            reason (no valid completion token; chunked mode: a loss gradient that is exactly zero, e.g. every
+            advantage 0). Each check runs on the first batch where it is not trivial.
         max_loss_discrepancy: chunked mode: the largest ``|sum of chunk losses - TRL's loss on the same log-probs|``
             relative to ``max(1, |loss|)``, over all chunked steps.
     """
@@ -69,6 +72,7 @@ class PatchStats:
     chunked_steps: int = 0
     chunked_calls: int = 0
     self_checks: list[SelfCheck] = field(default_factory=list)
+    trivial_self_checks: dict[str, int] = field(default_factory=dict)
     max_loss_discrepancy: float = 0.0
 
     def record_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> None:
@@ -95,6 +99,8 @@ class PatchStats:
                 f"chunked backward: {self.chunked_steps} micro-batches, {self.chunked_calls} chunked_backward calls, "
                 f"max |loss - TRL loss| = {self.max_loss_discrepancy:.2e}"
             )
+        for what, count in self.trivial_self_checks.items():
+            lines.append(f"self-check {what}: postponed on {count} trivial micro-batch(es)")
         for check in self.self_checks:
             entropy = "" if check.max_abs_entropy is None else f", entropy max|diff| {check.max_abs_entropy:.2e}"
             lines.append(
@@ -155,6 +161,48 @@ def instance_attribute(obj, name: str, value):
             obj.__dict__.pop(name, None)
         else:
             setattr(obj, name, previous)
+
+
+def replace_attribute(obj, name: str, value, record: list) -> None:
+    """Set ``obj.name = value`` on the instance, appending ``(obj, name, what the instance held)`` to ``record`` so
+    that :func:`restore_attributes` can undo it."""
+    record.append((obj, name, obj.__dict__.get(name, _MISSING)))
+    setattr(obj, name, value)
+
+
+def restore_attributes(record: list) -> None:
+    """Undo :func:`replace_attribute` calls, last first: each instance gets back exactly what it held (its own
+    attribute, or none, so that the class attribute shows through again)."""
+    while record:
+        obj, name, previous = record.pop()
+        if previous is _MISSING:
+            obj.__dict__.pop(name, None)
+        else:
+            setattr(obj, name, previous)
+
+
+class Unpatched:
+    """Calls ``obj.name`` as it resolves without the patch, looked up at each call.
+
+    Create it before replacing the attribute. If the instance had an attribute of its own, that one is called;
+    otherwise the class's attribute as it is at call time (bound to ``obj``), so that class-level patches made after
+    the plug-in was installed (e.g. ``unittest.mock.patch.object(GRPOTrainer, ...)``) still take effect.
+    """
+
+    def __init__(self, obj, name: str):
+        self.obj = obj
+        self.name = name
+        self.held = obj.__dict__.get(name, _MISSING)
+
+    def resolve(self):
+        if self.held is not _MISSING:
+            return self.held
+        attribute = getattr(type(self.obj), self.name)
+        bind = getattr(type(attribute), "__get__", None)  # functions bind; a plain callable (a mock) does not
+        return bind(attribute, self.obj, type(self.obj)) if bind is not None else attribute
+
+    def __call__(self, *args, **kwargs):
+        return self.resolve()(*args, **kwargs)
 
 
 class AutocastForward(nn.Module):

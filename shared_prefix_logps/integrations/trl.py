@@ -12,11 +12,13 @@ print(patch.stats.summary())
 
 ``mode="logps"`` replaces ``trainer._get_per_token_logps_and_entropies`` on the instance (policy, old-policy and
 reference log-probs). ``mode="chunked"`` does that and also runs each micro-batch's forward+backward through
-``shared_prefix_logps.chunked_backward``; optimizer steps, LR schedule, ``global_step`` and logged metrics stay
-TRL's. See the module docstrings of ``_trl_logps`` and ``_trl_chunked`` for how.
+``shared_prefix_logps.chunked_backward`` (it replaces ``trainer.compute_loss`` and ``trainer.accelerator.backward``
+on the instances); ``training_step``, optimizer steps, LR schedule, ``global_step`` and logged metrics stay TRL's.
+See the module docstrings of ``_trl_logps`` and ``_trl_chunked`` for how.
 
 Distributed: under DDP the grad-enabled forwards run the module inside DDP and the gradients are averaged once per
-optimizer step (``_trl_ddp``). Under DeepSpeed/FSDP ``mode="logps"`` calls the wrapped model as TRL does (untested
+optimizer step, after the backward that ends the accumulation window (``_trl_ddp``; ``accelerator.backward`` is
+replaced on the instance for that). Under DeepSpeed/FSDP ``mode="logps"`` calls the wrapped model as TRL does (untested
 here); ``mode="chunked"`` refuses them.
 """
 
@@ -26,23 +28,25 @@ from dataclasses import dataclass, field
 
 from ..model_support import prepare_model
 from ._trl_chunked import REQUIRED_ARGS, REQUIRED_TRAINER_ATTRIBUTES, ChunkedStep
-from ._trl_ddp import DDPStepSync
+from ._trl_ddp import DDPBackwardSync
 from ._trl_logps import LogpsPatch, compute_dtype
 from ._trl_utils import (
     PatchStats,
     SelfCheck,
     SelfCheckError,
+    Unpatched,
     WarnOnce,
     default_tolerance,
     install_fp32_head,
     remove_fp32_head,
+    replace_attribute,
+    restore_attributes,
 )
 
 __all__ = ["GRPOPatch", "PatchStats", "SelfCheck", "SelfCheckError", "patch_grpo_trainer", "unpatch_grpo_trainer"]
 
 MODES = ("logps", "chunked")
 _PATCH_ATTRIBUTE = "_shared_prefix_logps_patch"
-_MISSING = object()
 
 
 @dataclass
@@ -68,8 +72,8 @@ class GRPOPatch:
     self_check_tolerance: tuple[float, float] | None
     stats: PatchStats = field(default_factory=PatchStats)
     warn: WarnOnce = field(default_factory=WarnOnce, repr=False)
-    # instance attributes the patch replaced: name -> what the instance held before (or _MISSING)
-    replaced: dict = field(default_factory=dict, repr=False)
+    # instance attributes the patch replaced, in order: (object, name, what the instance held before)
+    replaced: list = field(default_factory=list, repr=False)
     fp32_heads: list = field(default_factory=list, repr=False)
     logps: LogpsPatch | None = field(default=None, repr=False)
     # the DDP wrapper a grad-enabled call bypassed since the last gradient averaging (see _trl_ddp)
@@ -151,18 +155,25 @@ def patch_grpo_trainer(
 
     original = trainer._get_per_token_logps_and_entropies
     patch.logps = LogpsPatch(patch, original)
-    _replace(trainer, patch, "_get_per_token_logps_and_entropies", patch.logps)
+    replace_attribute(trainer, "_get_per_token_logps_and_entropies", patch.logps, patch.replaced)
+    # training_step is never replaced: the trainer's class-level one (whatever it is at call time) runs, and calls
+    # the two methods below.
+    accelerator = trainer.accelerator
     if mode == "chunked":
-        _replace(trainer, patch, "training_step", ChunkedStep(patch, trainer.training_step, patch.logps))
-    elif trainer.accelerator.num_processes > 1:
-        # DDP: the policy call bypasses DDP's forward; gradients are averaged after the step (see _trl_ddp)
-        _replace(trainer, patch, "training_step", DDPStepSync(patch, trainer.training_step))
+        step = ChunkedStep(patch, patch.logps, Unpatched(trainer, "compute_loss"), Unpatched(accelerator, "backward"))
+        replace_attribute(trainer, "compute_loss", step.compute_loss, patch.replaced)
+        replace_attribute(accelerator, "backward", step.backward, patch.replaced)
+    elif accelerator.num_processes > 1:
+        # DDP: the policy call bypasses DDP's forward; gradients are averaged after the backward (see _trl_ddp)
+        replace_attribute(
+            accelerator, "backward", DDPBackwardSync(patch, Unpatched(accelerator, "backward")), patch.replaced
+        )
     setattr(trainer, _PATCH_ATTRIBUTE, patch)
     return patch
 
 
 def unpatch_grpo_trainer(trainer) -> None:
-    """Undo :func:`patch_grpo_trainer`: the trainer's methods are its own again.
+    """Undo :func:`patch_grpo_trainer`: the trainer's (and its accelerator's) methods are their own again.
 
     The models keep the shared-prefix attention function and lm_head proxy (both pass through to the original
     implementations outside a shared-prefix call), so generation and TRL's forwards are unaffected.
@@ -170,19 +181,10 @@ def unpatch_grpo_trainer(trainer) -> None:
     patch = getattr(trainer, _PATCH_ATTRIBUTE, None)
     if patch is None:
         raise ValueError("this trainer is not patched")
-    for name, previous in patch.replaced.items():
-        if previous is _MISSING:
-            trainer.__dict__.pop(name, None)
-        else:
-            setattr(trainer, name, previous)
+    restore_attributes(patch.replaced)
     for lm_head in patch.fp32_heads:
         remove_fp32_head(lm_head)
     delattr(trainer, _PATCH_ATTRIBUTE)
-
-
-def _replace(trainer, patch: GRPOPatch, name: str, value) -> None:
-    patch.replaced[name] = trainer.__dict__.get(name, _MISSING)
-    setattr(trainer, name, value)
 
 
 def _check_no_aux_loss(trainer) -> None:

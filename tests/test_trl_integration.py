@@ -24,7 +24,7 @@ if version("trl").startswith("1.15.") and not torch.cuda.is_available() and os.e
 
 from trl_tiny import make_trainer, record_training, scripted_generate  # noqa: E402
 
-from shared_prefix_logps.integrations import _trl_chunked, _trl_utils  # noqa: E402
+from shared_prefix_logps.integrations import _trl_chunked, _trl_ddp, _trl_utils  # noqa: E402
 from shared_prefix_logps.integrations._trl_chunked import regroup_rows  # noqa: E402
 from shared_prefix_logps.integrations.trl import (  # noqa: E402
     SelfCheckError,
@@ -345,9 +345,12 @@ def _ddp_worker(rank, port, path, results):
         trainer = make_trainer(path, **config)
         patch = patch_grpo_trainer(trainer, mode=mode) if mode else None
         # a class-level patch of training_step (as TRL's tests do) must still see every micro-batch
-        with mock.patch.object(
-            GRPOTrainer, "training_step", autospec=True, side_effect=GRPOTrainer.training_step
-        ) as step:
+        with (
+            mock.patch.object(
+                GRPOTrainer, "training_step", autospec=True, side_effect=GRPOTrainer.training_step
+            ) as step,
+            mock.patch.object(_trl_ddp, "average_gradients", side_effect=_trl_ddp.average_gradients) as averaging,
+        ):
             run = record_training(trainer)
         assert type(trainer.model_wrapped).__name__ == "DistributedDataParallel"
         results[f"{mode}{rank}"] = dict(
@@ -359,12 +362,15 @@ def _ddp_worker(rank, port, path, results):
             log=[{k: v for k, v in e.items() if k not in TIMING_KEYS} for e in run.log_history],
             checks=None if patch is None else [c.passed for c in patch.stats.self_checks],
             class_steps=step.call_count,
+            manual_averaging=averaging.call_count,
         )
 
 
 def test_two_process_ddp_matches_unpatched(tmp_path):
-    """gloo DDP with transformers' default find_unused_parameters=True: the patched trainer bypasses DDP's forward
-    and averages gradients at the accumulation boundary itself; the result must equal unpatched DDP training."""
+    """gloo DDP with transformers' default find_unused_parameters=True: the result must equal unpatched DDP training.
+
+    ``logps`` mode calls the DDP-wrapped model as TRL does, so DDP reduces the gradients itself (no manual averaging);
+    ``chunked`` mode bypasses DDP's forward and averages at the accumulation boundary (several backwards per step)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -381,6 +387,7 @@ def test_two_process_ddp_matches_unpatched(tmp_path):
             assert run["checks"] and all(run["checks"])
             assert run["steps"] == base["steps"] == (3, 3) and run["lrs"] == base["lrs"]
             assert run["class_steps"] == base["class_steps"] == 6
+            assert (run["manual_averaging"] == 0) == (mode == "logps"), (mode, run["manual_averaging"])
             assert run["losses"] == pytest.approx(base["losses"], rel=1e-4, abs=1e-6)
             errors = [_relative(run["grads"][n], g) for n, g in base["grads"].items()]
             assert max(errors) <= 1e-4, (mode, max(errors))

@@ -1,20 +1,19 @@
-"""DistributedDataParallel under the patch: forward the inner module, average gradients once per optimizer step.
+"""DistributedDataParallel under ``mode="chunked"``: forward the inner module, average gradients once per step.
 
-Why not forward through DDP: the chunked mode calls the model several times with several backwards per micro-batch,
-and every extra backward of a synchronizing step would all-reduce again. The logps mode was bypassed too because,
-with ``find_unused_parameters=True``, DDP took every parameter as unused (the lm_head proxy's placeholder output was
-not connected to the graph) and then "marked ready twice". The core's proxy now returns a view of the hidden states,
-and tests/test_ddp.py shows the shared path exact through DDP with that setting; routing the logps mode through DDP
-again (keeping communication hooks and overlap) is left for a change that re-runs this plug-in's DDP tests.
+``mode="logps"`` calls the DDP-wrapped model as TRL does: the phases' results leave through the model's outputs, so
+DDP's reducer sees one ordinary graph per micro-batch and reduces the gradients itself (communication hooks and
+overlap included; tests/test_trl_integration.py checks it reduces without help from here).
 
-So the grad-enabled calls run ``ddp.module`` (DDP's reducer is then not armed, its hooks do nothing), and at the
-accumulation boundary (``accelerator.sync_gradients``) the accumulated gradients are averaged over processes, which is
-what DDP's synchronizing backward computes. The averaging runs right after the micro-batch's backward (the plug-in
-replaces ``trainer.accelerator.backward`` on the instance), so ``training_step`` stays the trainer's own, whatever
-its class holds at call time, and clipping and the optimizer step see averaged gradients. Averaging is idempotent:
-if DDP itself synchronized in that step (a micro-batch that fell back to TRL's path through DDP), averaging again
-leaves the gradients unchanged.
-Not reproduced: DDP communication hooks (e.g. gradient compression) and the overlap of all-reduce with backward.
+The chunked mode cannot: it calls the model several times with several backwards per micro-batch, and every extra
+backward of a synchronizing step would all-reduce again. So its grad-enabled calls run ``ddp.module`` (DDP's reducer
+is then not armed, its hooks do nothing), and at the accumulation boundary (``accelerator.sync_gradients``) the
+accumulated gradients are averaged over processes, which is what DDP's synchronizing backward computes. The averaging
+runs right after the micro-batch's backward (the chunked step's ``accelerator.backward`` hook), so ``training_step``
+stays the trainer's own and clipping and the optimizer step see averaged gradients. Averaging is idempotent: if DDP
+itself synchronized in that step (a micro-batch that fell back to TRL's path through DDP), averaging again leaves the
+gradients unchanged.
+Not reproduced in chunked mode: DDP communication hooks (e.g. gradient compression) and the overlap of all-reduce
+with backward.
 """
 
 from __future__ import annotations
@@ -66,22 +65,3 @@ def sync_bypassed_ddp(patch) -> None:
     if ddp is not None and patch.trainer.accelerator.sync_gradients:
         average_gradients([p for p in ddp.parameters() if p.requires_grad], ddp.process_group)
         patch.bypassed_ddp = None
-
-
-class DDPBackwardSync:
-    """Installed as ``trainer.accelerator.backward`` in ``mode="logps"`` for multi-process runs: the accelerator's
-    own backward, then :func:`sync_bypassed_ddp`.
-
-    Args:
-        patch: the ``GRPOPatch`` handle.
-        previous_backward: the backward without the patch (an :class:`~._trl_utils.Unpatched`).
-    """
-
-    def __init__(self, patch, previous_backward):
-        self.patch = patch
-        self.previous_backward = previous_backward
-
-    def __call__(self, loss, **kwargs):
-        result = self.previous_backward(loss, **kwargs)
-        sync_bypassed_ddp(self.patch)
-        return result

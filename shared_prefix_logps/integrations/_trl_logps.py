@@ -17,7 +17,6 @@ import torch
 
 from ..api import compute_logps_concatenated
 from ..model_support import UnsupportedModelError, unwrap_causal_lm
-from ._trl_ddp import unwrap_ddp
 from ._trl_utils import AutocastForward, SelfCheckError, compare, dropout_active, eval_mode, layout_problem
 
 # Arguments the shared path understands; any other argument that is not None (images, token types ...) falls back.
@@ -97,11 +96,8 @@ class LogpsPatch:
     def compute(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy):
         """The shared-prefix log-probs of a trainer-shaped batch, under the trainer's autocast."""
         trainer = self.patch.trainer
-        model, ddp = unwrap_ddp(model)
-        if ddp is not None and torch.is_grad_enabled():
-            # Two forwards before one backward confuse DDP's reducer: run the inner module, average later (_trl_ddp).
-            # (Without gradient DDP adds nothing but buffer broadcasts, whose count must not depend on the data.)
-            self.patch.bypassed_ddp = ddp
+        # The model is called as TRL calls it, DDP included: the phases' results leave through the model's outputs,
+        # so DDP's reducer (unused-parameter search, gradient hooks, communication hooks) sees one ordinary graph.
         return compute_logps_concatenated(
             AutocastForward(model, trainer.accelerator.autocast),
             input_ids,

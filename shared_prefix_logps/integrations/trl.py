@@ -16,10 +16,11 @@ reference log-probs). ``mode="chunked"`` does that and also runs each micro-batc
 on the instances); ``training_step``, optimizer steps, LR schedule, ``global_step`` and logged metrics stay TRL's.
 See the module docstrings of ``_trl_logps`` and ``_trl_chunked`` for how.
 
-Distributed: under DDP the grad-enabled forwards run the module inside DDP and the gradients are averaged once per
-optimizer step, after the backward that ends the accumulation window (``_trl_ddp``; ``accelerator.backward`` is
-replaced on the instance for that). Under DeepSpeed/FSDP ``mode="logps"`` calls the wrapped model as TRL does (untested
-here); ``mode="chunked"`` refuses them.
+Distributed: ``mode="logps"`` calls the wrapped model as TRL does; under DDP, DDP reduces the gradients itself. In
+``mode="chunked"`` the grad-enabled forwards run the module inside DDP and the gradients are averaged once per
+optimizer step, after the backward that ends the accumulation window (``_trl_ddp``). Under DeepSpeed/FSDP
+``mode="logps"`` calls the wrapped model as TRL does (the core is tested under FSDP2; the plug-in under accelerate's
+FSDP/DeepSpeed is not yet); ``mode="chunked"`` refuses them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from dataclasses import dataclass, field
 
 from ..model_support import prepare_model
 from ._trl_chunked import REQUIRED_ARGS, REQUIRED_TRAINER_ATTRIBUTES, ChunkedStep
-from ._trl_ddp import DDPBackwardSync
 from ._trl_logps import LogpsPatch, compute_dtype
 from ._trl_utils import (
     PatchStats,
@@ -163,11 +163,6 @@ def patch_grpo_trainer(
         step = ChunkedStep(patch, patch.logps, Unpatched(trainer, "compute_loss"), Unpatched(accelerator, "backward"))
         replace_attribute(trainer, "compute_loss", step.compute_loss, patch.replaced)
         replace_attribute(accelerator, "backward", step.backward, patch.replaced)
-    elif accelerator.num_processes > 1:
-        # DDP: the policy call bypasses DDP's forward; gradients are averaged after the backward (see _trl_ddp)
-        replace_attribute(
-            accelerator, "backward", DDPBackwardSync(patch, Unpatched(accelerator, "backward")), patch.replaced
-        )
     setattr(trainer, _PATCH_ATTRIBUTE, patch)
     return patch
 

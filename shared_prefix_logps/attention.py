@@ -59,6 +59,27 @@ def original_implementation_name(config) -> str:
     return bytes.fromhex(encoded).decode() if encoded else "sdpa"
 
 
+def intercepting(original):
+    """A registry entry that runs ``original`` (a transformers attention implementation such as sdpa or
+    flash_attention_2) untouched, except in calls that carry a phase context, which go to
+    :func:`shared_prefix_attention`.
+
+    Installed under the implementation's own name, so a model keeps its implementation, its name and its mask
+    handling for plain forwards and ``generate``, while the library's phases (and their activation-checkpoint
+    recomputations in backward, which look the function up again) reach the shared-prefix attention.
+    """
+    if getattr(original, "_shared_prefix_original", None) is not None:
+        return original
+
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        if kwargs.get(CONTEXT_KWARG) is None:
+            return original(module, query, key, value, attention_mask, **kwargs)
+        return shared_prefix_attention(module, query, key, value, attention_mask, **kwargs)
+
+    attention._shared_prefix_original = original
+    return attention
+
+
 def _original_attention(module):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

@@ -20,7 +20,15 @@ import torch
 from torch import nn
 
 from . import attention
-from .context import CaptureContext, HeadCheckContext, SharedContext, activated, active_context
+from .context import (
+    CONTEXT_KWARG,
+    CaptureContext,
+    HeadCheckContext,
+    PhaseHandle,
+    SharedContext,
+    activated,
+    active_context,
+)
 from .errors import UnsupportedModelError
 from .head_weights import UnsupportedHeadError, effective_head, head_state
 from .routing import RouteBox, attach
@@ -202,7 +210,8 @@ def _head_spec(causal_lm) -> HeadSpec:
 
 def _install_attention(causal_lm) -> None:
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     config = causal_lm.config
     current = config._attn_implementation
@@ -215,11 +224,6 @@ def _install_attention(causal_lm) -> None:
         raise UnsupportedModelError(
             f"{type(causal_lm).__name__} does not route attention through transformers' AttentionInterface"
         )
-    if current not in (None, "eager", "sdpa"):
-        raise UnsupportedModelError(
-            f"{type(causal_lm).__name__} uses attn_implementation={current!r}; load it with 'sdpa' or 'eager' "
-            "(the shared-prefix path brings its own attention for the prompt and completion phases)"
-        )
     if current == "sdpa" and getattr(config, "attn_logit_softcapping", None) is not None:
         # transformers' sdpa path cannot softcap attention scores: older versions drop the softcap silently (the
         # model's own dense numbers are then not the model's math), newer ones raise.
@@ -227,9 +231,38 @@ def _install_attention(causal_lm) -> None:
             f"{type(causal_lm).__name__} has attn_logit_softcapping but runs attn_implementation='sdpa', which does "
             "not apply it; load the model with attn_implementation='eager'"
         )
-    name = attention.implementation_name(current or "eager")
-    _register(AttentionInterface, AttentionMaskInterface, name)
-    causal_lm.set_attn_implementation(name)
+    if current in (None, "eager"):
+        # Modeling files call their own eager function without consulting the registry, so the model is switched
+        # to a name that encodes "eager" (see attention.implementation_name).
+        name = attention.implementation_name("eager")
+        _register(AttentionInterface, AttentionMaskInterface, name)
+        causal_lm.set_attn_implementation(name)
+        return
+    if not isinstance(current, str) or current.startswith("paged|") or current not in ALL_ATTENTION_FUNCTIONS:
+        raise UnsupportedModelError(
+            f"{type(causal_lm).__name__} uses attn_implementation={current!r}, which is not an entry of transformers' "
+            "AttentionInterface the shared-prefix path can intercept"
+        )
+    # Any other implementation (sdpa, flash_attention_2/3/4, flex_attention, hub kernels) keeps its name: its
+    # registry entries are wrapped so that only calls carrying a phase context take the shared-prefix path.
+    AttentionInterface.register(current, attention.intercepting(ALL_ATTENTION_FUNCTIONS[current]))
+    if current in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(current, _intercepting_mask(ALL_MASK_ATTENTION_FUNCTIONS[current]))
+
+
+def _intercepting_mask(original):
+    """The mask builder of an intercepted implementation: none inside a phase (the shared-prefix attention builds
+    its own masks from the phase context, so no rows x keys tensor is made), ``original`` otherwise."""
+    if getattr(original, "_shared_prefix_original", None) is not None:
+        return original
+
+    def build(*args, **kwargs):
+        if isinstance(active_context(), (CaptureContext, SharedContext)):
+            return None
+        return original(*args, **kwargs)
+
+    build._shared_prefix_original = original
+    return build
 
 
 def _register(attention_interface, mask_interface, name: str) -> None:
@@ -334,9 +367,16 @@ def _verify_head(prepared: PreparedModel) -> None:
     name = type(prepared.causal_lm).__name__
     check = HeadCheckContext(spec=prepared.head)
     ids = torch.arange(1, min(prepared.input_vocab_size, 5), device=prepared.device)[None]
+    # The layers attend through the shared-prefix attention (a one-prompt Phase 1), so the check does not depend on
+    # the model's own implementation being runnable here (a flash-attention name on a CPU tensor, say).
+    positions = torch.arange(ids.shape[1], device=prepared.device)[None]
+    attend = CaptureContext(key_valid=torch.ones_like(ids, dtype=torch.bool), positions=positions, needs_grad=False)
     try:
         with torch.no_grad(), activated(check):
-            logits = prepared.outer(input_ids=ids, use_cache=False).logits.float()
+            output = prepared.outer(
+                input_ids=ids, position_ids=positions, use_cache=False, **{CONTEXT_KWARG: PhaseHandle(attend)}
+            )
+        logits = output.logits.float()
     except UnsupportedHeadError as error:
         raise UnsupportedModelError(f"{name}: {error}") from None
     if check.calls != 1:

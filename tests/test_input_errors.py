@@ -125,10 +125,10 @@ def test_unreproduced_logit_post_processing_is_refused():
         compute_logps(odd, P, C)
 
 
-def test_flash_style_implementation_is_refused():
+def test_implementation_outside_the_attention_interface_is_refused():
     model = build_model("qwen2")
-    model.config._attn_implementation_internal = "flex_attention"
-    with pytest.raises(UnsupportedModelError, match="attn_implementation='flex_attention'"):
+    model.config._attn_implementation_internal = "my_unregistered_attention"
+    with pytest.raises(UnsupportedModelError, match="attn_implementation='my_unregistered_attention'"):
         compute_logps(model, P, C)
 
 

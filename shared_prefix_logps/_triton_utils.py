@@ -9,6 +9,7 @@ run in both modes avoid them (see ``kernels/logsoftmax_gather.py``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable
@@ -40,6 +41,14 @@ def triton_can_run(*tensors: torch.Tensor) -> bool:
     if interpret_enabled():
         return True
     return all(t.is_cuda for t in tensors)
+
+
+def device_guard(tensor: torch.Tensor):
+    """Context for a Triton launch on ``tensor``: its CUDA device made current, so a kernel on a tensor of a second
+    GPU (``device_map="auto"``) runs there, not on the current device; a no-op for CPU tensors (interpreter)."""
+    if tensor.is_cuda:
+        return torch.cuda.device(tensor.device)
+    return contextlib.nullcontext()
 
 
 def next_power_of_2(n: int) -> int:

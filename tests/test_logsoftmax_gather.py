@@ -343,3 +343,42 @@ def test_kernels_compile_for_cuda_without_a_gpu(dtype):
         num_warps=16,
     )
     assert "cubin" in fwd.asm and "cubin" in bwd.asm
+
+
+def test_launches_are_guarded_by_the_tensors_device(monkeypatch):
+    """Every Triton launch runs under the device guard of the tensor it reads (a model spread over GPUs)."""
+    import importlib
+
+    from shared_prefix_logps import _triton_utils
+
+    # The package re-exports the function under the module's name, so the module is taken from sys.modules.
+    module = importlib.import_module("shared_prefix_logps.kernels.logsoftmax_gather")
+
+    guarded = []
+    real_guard = _triton_utils.device_guard
+
+    def recording_guard(tensor):
+        guarded.append(tensor.device)
+        return real_guard(tensor)
+
+    monkeypatch.setattr(module, "device_guard", recording_guard)
+    monkeypatch.setattr(module, "interpret_enabled", lambda: True)
+    if not TRITON_OK:
+        pytest.skip("triton is not importable")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    logits = torch.randn(3, 70, requires_grad=True)
+    targets = torch.tensor([1, 5, 69])
+    logsoftmax_gather(logits, targets, backend="triton").sum().backward()
+    assert guarded == [logits.device, logits.device]
+
+
+def test_device_guard_selects_the_tensors_gpu():
+    from shared_prefix_logps._triton_utils import device_guard
+
+    class OnSecondGpu:  # stands in for a CUDA tensor: the guard reads only these two attributes
+        is_cuda = True
+        device = torch.device("cuda", 1)
+
+    guard = device_guard(OnSecondGpu())
+    assert isinstance(guard, torch.cuda.device) and guard.idx == 1
+    assert not isinstance(device_guard(torch.zeros(1)), torch.cuda.device)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from .._triton_utils import LazyKernel, interpret_enabled, next_power_of_2
+from .._triton_utils import LazyKernel, device_guard, interpret_enabled, next_power_of_2
 
 # Reductions go through tl.reduce with Triton's own combine functions instead of tl.max / tl.sum: those two are
 # jit functions decorated when triton.language is imported, so they only work in the mode (compiled or
@@ -176,21 +176,23 @@ def logsoftmax_gather_forward_triton(
     if n_rows == 0:
         return logps, norm, entropy
     block, warps = _launch_config(n_cols)
-    _fwd_kernel[(n_rows,)](
-        logits,
-        logits.stride(0),
-        targets,
-        logps,
-        norm,
-        norm.stride(0),
-        entropy if entropy is not None else logps,  # never written when RETURN_ENTROPY is False
-        n_cols,
-        float(inv_temperature),
-        int(ignore_index),
-        BLOCK_V=block,
-        RETURN_ENTROPY=return_entropy,
-        num_warps=warps,
-    )
+    # Launch on the tensors' GPU, not the current one (models spread over GPUs).
+    with device_guard(logits):
+        _fwd_kernel[(n_rows,)](
+            logits,
+            logits.stride(0),
+            targets,
+            logps,
+            norm,
+            norm.stride(0),
+            entropy if entropy is not None else logps,  # never written when RETURN_ENTROPY is False
+            n_cols,
+            float(inv_temperature),
+            int(ignore_index),
+            BLOCK_V=block,
+            RETURN_ENTROPY=return_entropy,
+            num_warps=warps,
+        )
     return logps, norm, entropy
 
 
@@ -217,25 +219,27 @@ def logsoftmax_gather_backward_triton(
     if norm.stride(1) != 1:
         norm = norm.contiguous()
     block, warps = _launch_config(n_cols)
-    _bwd_kernel[(n_rows,)](
-        src,
-        src.stride(0),
-        out,
-        out.stride(0),
-        targets.contiguous(),
-        norm,
-        norm.stride(0),
-        entropy.contiguous() if entropy is not None else norm,
-        grad_logps.contiguous() if grad_logps is not None else norm,
-        grad_entropy.contiguous() if grad_entropy is not None else norm,
-        n_cols,
-        float(inv_temperature),
-        int(ignore_index),
-        BLOCK_V=block,
-        HAS_GRAD_LOGPS=grad_logps is not None,
-        HAS_GRAD_ENTROPY=grad_entropy is not None,
-        num_warps=warps,
-    )
+    # Launch on the tensors' GPU, not the current one (models spread over GPUs).
+    with device_guard(src):
+        _bwd_kernel[(n_rows,)](
+            src,
+            src.stride(0),
+            out,
+            out.stride(0),
+            targets.contiguous(),
+            norm,
+            norm.stride(0),
+            entropy.contiguous() if entropy is not None else norm,
+            grad_logps.contiguous() if grad_logps is not None else norm,
+            grad_entropy.contiguous() if grad_entropy is not None else norm,
+            n_cols,
+            float(inv_temperature),
+            int(ignore_index),
+            BLOCK_V=block,
+            HAS_GRAD_LOGPS=grad_logps is not None,
+            HAS_GRAD_ENTROPY=grad_entropy is not None,
+            num_warps=warps,
+        )
     if inplace and out is not logits:
         # logits had a non-unit column stride, so we worked on a copy; honour "in place" for the caller.
         logits.copy_(out)

@@ -1,47 +1,87 @@
 #!/usr/bin/env bash
-# One command for a CUDA machine: GPU tests, kernel microbenchmark and the standard sweep, results under $OUT.
+# GPU tests and benchmarks on a CUDA machine, in steps that each fit in about 10 minutes and write at most 8 files
+# under $OUT (results to copy into benchmarks/results/ and commit).
 #
-#   OUT=out bash benchmarks/run_gpu.sh          # or: make gpu
+#   OUT=out bash benchmarks/run_gpu.sh            # every step, one after the other (or: make gpu)
+#   OUT=out bash benchmarks/run_gpu.sh tests      # one step: env tests kernels sweep-score sweep-train maxg
 #
-# Writes $OUT/env.txt, $OUT/gpu-tests.log, $OUT/kernels.txt and $OUT/<date>-<gpu>.{json,md} plus PNG plots;
-# copy them to benchmarks/results/ and commit. Every step runs even if an earlier one fails; the exit code is
-# non-zero if any failed.
+# Works from a bare checkout without installing the package (it puts the repository on PYTHONPATH) and without .git:
+# the commit comes from $GIT_COMMIT, else `git rev-parse HEAD`, else "unknown". Every step records device, versions
+# and commit in $OUT/env.txt. Steps run even if an earlier one failed; the exit code is non-zero if any failed.
 set -uo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
 OUT=${OUT:-out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+GIT_COMMIT=${GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+export GIT_COMMIT
+METHODS=dense,trl,kv_expand,prefix_grouper,liger,expand,flex,chunked
 status=0
 
-$PY - >"$OUT/env.txt" <<'PYEOF'
-import platform, subprocess, torch, transformers
+step_env() {
+    $PY - >"$OUT/env.txt" <<'PYEOF'
+import os, platform, torch, transformers
 print("gpu:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
 print("python:", platform.python_version(), "torch:", torch.__version__, "transformers:", transformers.__version__)
-for name in ("triton", "trl", "peft", "liger_kernel", "cut_cross_entropy"):
+for name in ("triton", "trl", "peft", "liger_kernel", "prefix_grouper", "cut_cross_entropy"):
     try:
-        print(f"{name}:", __import__(name).__version__)
+        print(f"{name}:", getattr(__import__(name), "__version__", "installed"))
     except Exception:
         print(f"{name}: not installed")
-print("commit:", subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip())
+print("commit:", os.environ.get("GIT_COMMIT", "unknown"))
 PYEOF
-cat "$OUT/env.txt"
-gpu=$($PY -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '-') if torch.cuda.is_available() else 'cpu')")
-stem="$(date +%F)-$gpu"
+    cat "$OUT/env.txt"
+}
 
-echo "== GPU tests"
-$PY -m pytest tests -m gpu -q -ra 2>&1 | tee "$OUT/gpu-tests.log" || status=1
+stem() {
+    local gpu
+    gpu=$($PY -c "import torch; print(torch.cuda.get_device_name(0).replace(' ', '-') if torch.cuda.is_available() else 'cpu')")
+    echo "$(date +%F)-$gpu"
+}
 
-echo "== kernel microbenchmark"
-$PY benchmarks/bench_kernels.py 2>&1 | tee "$OUT/kernels.txt" || status=1
+step_tests() {
+    echo "== GPU tests"
+    $PY -m pytest tests -m gpu -q -ra -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log"
+}
 
-echo "== standard sweep (qwen2.5-1.5b, C=512)"
-$PY -m shared_prefix_logps.cli bench --preset qwen2.5-1.5b --prompts 1 --prompt-len 1024 4096 16384 \
-    --completion-len 512 --generations 4 16 64 --methods dense,trl,kv_expand,prefix_grouper,liger,expand,flex,chunked \
-    --workloads score,train --repeats 3 --output "$OUT" --name "$stem" || status=1
+step_kernels() {
+    echo "== kernel microbenchmark"
+    $PY benchmarks/bench_kernels.py 2>&1 | tee "$OUT/kernels.txt"
+}
 
-echo "== largest G that fits (qwen2.5-7b, P=4096, C=1024)"
-$PY -m shared_prefix_logps.cli bench --preset qwen2.5-7b --prompts 1 --prompt-len 4096 --completion-len 1024 \
-    --generations 1 --methods dense,trl,kv_expand,prefix_grouper,liger,expand,flex,chunked --workloads train --repeats 1 \
-    --max-generations --output "$OUT" --name "$stem-maxg-7b" || status=1
+step_sweep() {  # $1: workload (score or train)
+    echo "== standard sweep, $1 (qwen2.5-1.5b, C=512)"
+    $PY -m shared_prefix_logps.cli bench --preset qwen2.5-1.5b --prompts 1 --prompt-len 1024 4096 16384 \
+        --completion-len 512 --generations 4 16 64 --methods "$METHODS" --workloads "$1" --repeats 3 \
+        --output "$OUT" --name "$(stem)-$1"
+}
 
+step_maxg() {
+    echo "== largest G that fits (qwen2.5-7b, P=4096, C=1024)"
+    $PY -m shared_prefix_logps.cli bench --preset qwen2.5-7b --prompts 1 --prompt-len 4096 --completion-len 1024 \
+        --generations 1 --methods "$METHODS" --workloads train --repeats 1 --max-generations \
+        --output "$OUT" --name "$(stem)-maxg-7b"
+}
+
+run() {
+    case "$1" in
+        env) step_env ;;
+        tests) step_tests ;;
+        kernels) step_kernels ;;
+        sweep-score) step_sweep score ;;
+        sweep-train) step_sweep train ;;
+        maxg) step_maxg ;;
+        *) echo "unknown step '$1' (env tests kernels sweep-score sweep-train maxg)" >&2; return 2 ;;
+    esac
+}
+
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests kernels sweep-score sweep-train maxg)
+[ "${steps[0]}" = env ] || step_env || status=1
+for name in "${steps[@]}"; do
+    run "$name" || status=1
+done
 exit $status

@@ -24,13 +24,44 @@ from .kernels._backend import resolve_backend, stats_backward, stats_forward
 # stray negative id still fails loudly (nan / index error) instead of being silently skipped.
 _NO_IGNORE = -(2**63)
 
-# Float32 logits held per chunk when chunk_size is None. Backward holds about two such buffers at once.
+# Float32 logits held per chunk when chunk_size is None, on CPU. Backward holds about two such buffers at once.
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 
+# On a GPU the budget comes from free memory: this share of it, within these bounds. A small chunk makes each
+# chunk's d_weight matmul (inner dimension = rows) memory-bound on the float32 (V, H) accumulator; thousands of rows
+# keep it compute-bound.
+GPU_CHUNK_SHARE_OF_FREE = 1 / 8
+GPU_CHUNK_BYTES_BOUNDS = (512 * 2**20, 8 * 2**30)
+# Rows per chunk are a multiple of this on GPUs (matmul tile size).
+GPU_ROW_MULTIPLE = 128
 
-def default_chunk_size(num_rows: int, vocab_size: int, budget_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
-    """Rows per chunk so that one chunk's float32 logits fit in ``budget_bytes`` (at least 1 row)."""
-    return max(1, min(max(num_rows, 1), budget_bytes // (4 * max(vocab_size, 1))))
+
+def default_chunk_size(
+    num_rows: int,
+    vocab_size: int,
+    budget_bytes: int | None = None,
+    *,
+    device: torch.device | None = None,
+    free_bytes: int | None = None,
+) -> int:
+    """Rows per chunk so that one chunk's float32 logits fit in the budget (at least 1 row).
+
+    Without ``budget_bytes``: ``DEFAULT_CHUNK_BYTES`` on CPU; on CUDA an eighth of the device's free memory
+    (``free_bytes``, read from the device when None) bounded to [512 MiB, 8 GiB], and rows rounded down to a multiple
+    of 128 when there are at least 128.
+    """
+    cuda = device is not None and torch.device(device).type == "cuda"
+    if budget_bytes is None:
+        budget_bytes = DEFAULT_CHUNK_BYTES
+        if cuda:
+            if free_bytes is None:
+                free_bytes = torch.cuda.mem_get_info(device)[0]
+            low, high = GPU_CHUNK_BYTES_BOUNDS
+            budget_bytes = int(min(max(free_bytes * GPU_CHUNK_SHARE_OF_FREE, low), high))
+    rows = max(1, min(max(num_rows, 1), budget_bytes // (4 * max(vocab_size, 1))))
+    if cuda and rows >= GPU_ROW_MULTIPLE and rows < num_rows:
+        rows -= rows % GPU_ROW_MULTIPLE
+    return rows
 
 
 def _chunk_logits(
@@ -243,7 +274,7 @@ def linear_logps(
     bias = bias.to(compute_dtype) if bias is not None else None
     rows = hidden_2d.shape[0]
     if chunk_size is None:
-        chunk_size = default_chunk_size(rows, weight.shape[0])
+        chunk_size = default_chunk_size(rows, weight.shape[0], device=hidden_2d.device)
     chunk_size = max(1, int(chunk_size))
 
     if rows == 0:

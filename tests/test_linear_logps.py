@@ -329,6 +329,21 @@ def test_default_chunk_size_follows_the_memory_budget():
     assert default_chunk_size(5, 1000) == 5
 
 
+def test_default_chunk_size_on_gpus_comes_from_free_memory():
+    cuda = torch.device("cuda", 0)
+    gib = 2**30
+    # An eighth of 80 GiB free = 10 GiB, capped at 8 GiB: 14,128 rows at V=151936, rounded down to 14,080 (x128).
+    rows = default_chunk_size(10**6, 151936, device=cuda, free_bytes=80 * gib)
+    assert rows == (8 * gib // (4 * 151936)) // 128 * 128 == 14080
+    # Little free memory: the 512 MiB floor, still a multiple of 128.
+    assert default_chunk_size(10**6, 151936, device=cuda, free_bytes=gib) == 768
+    # Fewer rows than a chunk: all of them, not rounded.
+    assert default_chunk_size(1000, 151936, device=cuda, free_bytes=80 * gib) == 1000
+    # An explicit budget wins; CPU keeps its fixed budget.
+    assert default_chunk_size(10**6, 1000, 4 * 1000 * 300, device=cuda, free_bytes=80 * gib) == 256
+    assert default_chunk_size(10**6, 151936, device=torch.device("cpu")) == (256 * 2**20) // (4 * 151936)
+
+
 def test_rejects_bad_arguments():
     hidden, weight, _, targets = make_inputs(4, 17, 8, seed=47, bias=False)
     with pytest.raises(ValueError):

@@ -8,6 +8,7 @@ key/value gradients through the prompt's graph. The result equals autograd of th
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -57,6 +58,11 @@ def chunked_backward(
     Notes:
         Each chunk calls ``backward``, and the prompt one more; under DDP wrap the call in ``model.no_sync()`` except
         for the step that should synchronize, or gradients are all-reduced more than once.
+
+        Pass a DeepSpeed engine itself (what ``deepspeed.initialize`` returns), then call ``engine.step()`` as after
+        ``engine.backward(loss)``: every backward runs through ``engine.backward`` (scaled by its gradient
+        accumulation steps), the chunks as non-boundary micro-steps so that ZeRO accumulates their gradients, the
+        last one at the engine's own accumulation boundary. fp16 loss scaling is not supported there.
     """
     check_options(temperature, backend)
     if backend == "dense":
@@ -65,6 +71,7 @@ def chunked_backward(
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if not torch.is_grad_enabled():
         raise RuntimeError("chunked_backward runs backward passes; call it with gradients enabled")
+    backward = _backward_driver(model)
     prepared = prepare_model(model)
     batch = group_batch(prompts, completions, prompt_mask, completion_mask, model=prepared)
     rows, length = batch.completion_ids.shape
@@ -79,26 +86,34 @@ def chunked_backward(
 
     capture = capture_prefix(prepared, batch.prompt_ids, batch.prompt_mask, packed=packed)
     leaves = _detached_capture(capture)
+    # Whether a backward through the prompt follows the chunks' (it is then the step's last backward).
+    prompt_backward = capture is not None and any(t.requires_grad for pair in capture.kv.values() for t in pair)
     logps = torch.zeros(rows, length, device=batch.completion_ids.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
     starts = torch.arange(num_prompts, device=logps.device) * generations
     # With no valid token anywhere, autograd of the summed losses still gives every parameter a zero gradient (and
     # optimizers such as Adam step on it): the chunks then run anyway so that backward reaches every parameter.
     score_empty = not batch.completion_mask.any()
-    for first in range(0, generations, generations_per_chunk):
-        offsets = torch.arange(first, min(first + generations_per_chunk, generations), device=logps.device)
-        chunk_rows = (starts[:, None] + offsets[None, :]).reshape(-1)
-        part = batch.select_rows(chunk_rows)
-        chunk_out = _score_chunk(prepared, part, leaves, length, temperature, return_entropy, packed, score_empty)
-        loss = loss_fn(chunk_out, chunk_rows)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TypeError("loss_fn must return a scalar tensor")
-        if loss.requires_grad:
-            loss.backward()
-        detached = chunk_out.detach()
-        write_rows(logps, entropy, chunk_rows, (detached.logps, detached.entropy))
-        del chunk_out, loss
-    _backward_through_prompt(capture, leaves)
+    firsts = range(0, generations, generations_per_chunk)
+    try:
+        for first in firsts:
+            offsets = torch.arange(first, min(first + generations_per_chunk, generations), device=logps.device)
+            chunk_rows = (starts[:, None] + offsets[None, :]).reshape(-1)
+            part = batch.select_rows(chunk_rows)
+            chunk_out = _score_chunk(prepared, part, leaves, length, temperature, return_entropy, packed, score_empty)
+            loss = loss_fn(chunk_out, chunk_rows)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TypeError("loss_fn must return a scalar tensor")
+            if loss.requires_grad:
+                backward.loss(loss, last=not prompt_backward and first == firsts[-1])
+            detached = chunk_out.detach()
+            write_rows(logps, entropy, chunk_rows, (detached.logps, detached.entropy))
+            del chunk_out, loss
+        if prompt_backward:
+            _backward_through_prompt(backward, capture, leaves)
+        backward.finish()
+    finally:
+        backward.close()
     return LogpsOutput(logps, entropy, batch.completion_mask)
 
 
@@ -146,15 +161,94 @@ def _score_chunk(prepared, part, leaves, length, temperature, return_entropy, pa
     return LogpsOutput(logps, entropy, mask)
 
 
-def _backward_through_prompt(capture: CaptureContext | None, leaves: CaptureContext | None) -> None:
+def _backward_through_prompt(backward, capture: CaptureContext, leaves: CaptureContext) -> None:
     """Send the key/value gradients the chunks accumulated on the leaves back through Phase 1's graph."""
-    if capture is None:
-        return
     tensors, grads = [], []
     for module, pair in capture.kv.items():
         for original, leaf in zip(pair, leaves.kv[module]):
-            if leaf.grad is not None and original.requires_grad:
+            if original.requires_grad:
                 tensors.append(original)
                 grads.append(leaf.grad)
-    if tensors:
-        torch.autograd.backward(tensors, grads)
+    backward.tensors(tensors, grads)
+
+
+def _backward_driver(model: nn.Module):
+    """How this call runs its backward passes: plain autograd, or through a DeepSpeed engine."""
+    deepspeed = sys.modules.get("deepspeed")
+    engine_type = getattr(deepspeed, "DeepSpeedEngine", None) if deepspeed is not None else None
+    if engine_type is not None and isinstance(model, engine_type):
+        return _DeepSpeedBackward(model)
+    if any(hasattr(param, "ds_id") or hasattr(param, "_hp_mapping") for param in model.parameters()):
+        raise ValueError(
+            "the model's parameters are managed by a DeepSpeed engine; pass the engine itself (what "
+            "deepspeed.initialize returns) to chunked_backward, so that its backward passes go through "
+            "engine.backward and ZeRO accumulates the chunks' gradients"
+        )
+    return _PlainBackward()
+
+
+class _PlainBackward:
+    def loss(self, loss: torch.Tensor, *, last: bool) -> None:
+        loss.backward()
+
+    def tensors(self, tensors: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+        pairs = [(tensor, grad) for tensor, grad in zip(tensors, grads) if grad is not None]
+        if pairs:
+            torch.autograd.backward(*zip(*pairs))
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _DeepSpeedBackward:
+    """Backward passes of one call under a DeepSpeed engine.
+
+    ``loss.backward()`` alone would bypass the engine: ZeRO-2 reduces each backward's gradients at the accumulation
+    boundary and the next one overwrites them, and ZeRO-3 leaves gradients it cannot clear. So every backward goes
+    through ``engine.backward`` (loss divided by the gradient accumulation steps, reduction hooks armed), all but the
+    last as non-boundary micro-steps, whose gradients ZeRO accumulates as for gradient accumulation, and the last
+    at the boundary the engine is at (then ``engine.step()`` updates as after one ``engine.backward``). The prompt's
+    backward is the scalar ``sum(kv * kv_grad)``: same gradients as ``autograd.backward(kv, kv_grad)``, not scaled
+    again since the chunks' gradients already are.
+    """
+
+    def __init__(self, engine):
+        if engine.fp16_enabled():
+            raise NotImplementedError(
+                "chunked_backward under a DeepSpeed engine with fp16 (dynamic loss scaling) is not supported; use "
+                "bf16 or fp32"
+            )
+        self.engine = engine
+        # Unmanaged accumulation (DeepSpeed >= 0.19): backward only accumulates; step() reduces.
+        self.managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
+        self.override = getattr(engine, "_is_gradient_accumulation_boundary", None)
+        self.boundary = engine.is_gradient_accumulation_boundary()
+        self.pending = False
+
+    def loss(self, loss: torch.Tensor, *, last: bool, scale: bool = True) -> None:
+        if self.managed:
+            self.engine.set_gradient_accumulation_boundary(self.boundary if last else False)
+        self.engine.backward(loss, scale_wrt_gas=scale)
+        self.pending = not last
+
+    def tensors(self, tensors: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+        # Also when no key/value received gradient: this backward carries the step's boundary.
+        surrogate = sum((tensor * grad).sum() for tensor, grad in zip(tensors, grads) if grad is not None)
+        if not isinstance(surrogate, torch.Tensor):
+            surrogate = sum(tensor.sum() * 0.0 for tensor in tensors)
+        self.loss(surrogate, last=True, scale=False)
+
+    def finish(self) -> None:
+        if self.pending:
+            raise RuntimeError(
+                "under a DeepSpeed engine the last backward of chunked_backward must run at the accumulation "
+                "boundary, but the last chunk's loss does not require grad; the engine's gradients of this step "
+                "are incomplete"
+            )
+
+    def close(self) -> None:
+        if self.managed:
+            self.engine.set_gradient_accumulation_boundary(self.override)

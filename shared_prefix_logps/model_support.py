@@ -100,7 +100,9 @@ class PreparedModel:
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers causal LM inside DDP/FSDP(1)/accelerate/``torch.compile``/PEFT wrappers."""
+    """The transformers causal LM inside DDP/FSDP(1)/DeepSpeed/accelerate/``torch.compile``/PEFT wrappers."""
+    from transformers import PreTrainedModel
+
     seen = 0
     while seen < 8:
         seen += 1
@@ -108,13 +110,16 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
             model = model.get_base_model()
         elif hasattr(model, "_orig_mod"):  # torch.compile
             model = model._orig_mod
-        elif isinstance(getattr(model, "module", None), nn.Module) and not hasattr(model, "config"):  # DDP, FSDP1
+        elif isinstance(getattr(model, "module", None), nn.Module) and not isinstance(model, PreTrainedModel):
+            # DDP, FSDP1, DeepSpeed's engine. The engine forwards unknown attributes to the model (``config``,
+            # ``get_output_embeddings``), and has a ``config`` of its own, so attributes cannot tell it apart.
             model = model.module
         else:
             break
     if not hasattr(model, "config") or not hasattr(model, "get_output_embeddings"):
         raise UnsupportedModelError(
-            f"model must be a transformers causal LM (optionally wrapped by PEFT/DDP/FSDP), got {type(model).__name__}"
+            "model must be a transformers causal LM (optionally wrapped by PEFT/DDP/FSDP/DeepSpeed), got "
+            f"{type(model).__name__}"
         )
     return model
 
@@ -149,8 +154,8 @@ def prepare_model(model: nn.Module) -> PreparedModel:
         outer=model,
         causal_lm=causal_lm,
         head=head,
-        input_vocab_size=embeddings.weight.shape[0],
-        output_vocab_size=head.lm_head.weight.shape[0],
+        input_vocab_size=full_shape(embeddings.weight)[0],
+        output_vocab_size=full_shape(head.lm_head.weight)[0],
         device=embeddings.weight.device,
         rope_length_limit=rope_length_limit(causal_lm),
     )
@@ -160,6 +165,13 @@ def prepare_model(model: nn.Module) -> PreparedModel:
         _verify_head(prepared)
         verified.add(signature)
     return prepared
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """A parameter's shape as the model defines it. Outside a forward, DeepSpeed ZeRO-3 leaves each parameter an
+    empty 1-D placeholder (its own rank's shard lives elsewhere) and keeps the real shape in ``ds_shape``."""
+    shape = getattr(param, "ds_shape", None)
+    return torch.Size(shape) if shape is not None else param.shape
 
 
 def rope_length_limit(causal_lm: nn.Module) -> int | None:
@@ -195,7 +207,7 @@ def rope_length_limit(causal_lm: nn.Module) -> int | None:
 
 def _head_spec(causal_lm) -> HeadSpec:
     lm_head = causal_lm.get_output_embeddings()
-    if not isinstance(getattr(lm_head, "weight", None), torch.Tensor) or lm_head.weight.dim() != 2:
+    if not isinstance(getattr(lm_head, "weight", None), torch.Tensor) or len(full_shape(lm_head.weight)) != 2:
         raise UnsupportedModelError(
             f"the lm_head of {type(causal_lm).__name__} ({type(lm_head).__name__}) has no 2-D weight to fuse"
         )

@@ -140,3 +140,80 @@ def test_completions_without_columns_leave_zero_grads():
     )
     assert out.logps.shape == (6, 0)
     assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+class _StubEngine(torch.nn.Module):
+    """The parts of DeepSpeed's engine that chunked_backward drives: ``backward`` (recording the accumulation
+    boundary each backward ran at) and the boundary override."""
+
+    def __init__(self, module, boundary=True, fp16=False):
+        super().__init__()
+        self.module = module
+        self.boundary, self.fp16 = boundary, fp16
+        self._is_gradient_accumulation_boundary = None
+        self.calls = []
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def fp16_enabled(self):
+        return self.fp16
+
+    def is_gradient_accumulation_boundary(self):
+        override = self._is_gradient_accumulation_boundary
+        return self.boundary if override is None else override
+
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        self._is_gradient_accumulation_boundary = is_boundary
+
+    def backward(self, loss, scale_wrt_gas=True):
+        self.calls.append((self.is_gradient_accumulation_boundary(), scale_wrt_gas))
+        loss.backward()
+
+
+@pytest.fixture
+def stub_deepspeed(monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "deepspeed", types.SimpleNamespace(DeepSpeedEngine=_StubEngine))
+
+
+@pytest.mark.parametrize("boundary", [True, False])
+def test_deepspeed_engine_backward_passes_accumulate_then_hit_its_boundary(stub_deepspeed, boundary):
+    model = build_model("llama")
+    prompts, pmask, comps, cmask = make_batch(2, 3, prompt_len=7, completion_len=4)
+    weights = _loss_weights(*comps.shape)[0]
+    loss_fn = lambda out, rows: (out.logps * weights[rows]).sum()
+    kwargs = dict(generations_per_chunk=1, prompt_mask=pmask, completion_mask=cmask)
+    chunked_backward(model, prompts, comps, loss_fn, **kwargs)
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    engine = _StubEngine(model, boundary=boundary)
+    chunked_backward(engine, prompts, comps, loss_fn, **kwargs)
+    # Three chunks (scaled by the accumulation steps, not at the boundary), then the prompt (already scaled).
+    assert engine.calls == [(False, True)] * 3 + [(boundary, False)]
+    assert engine._is_gradient_accumulation_boundary is None
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert max_relative_grad_error(grads, expected) <= 1e-6
+
+
+def test_deepspeed_engine_refusals(stub_deepspeed):
+    model = build_model("llama")
+    prompts, pmask, comps, cmask = make_batch(2, 2, prompt_len=7, completion_len=4)
+    kwargs = dict(generations_per_chunk=1, prompt_mask=pmask, completion_mask=cmask)
+    loss_fn = lambda out, rows: out.logps.sum()
+    with pytest.raises(NotImplementedError, match="fp16"):
+        chunked_backward(_StubEngine(model, fp16=True), prompts, comps, loss_fn, **kwargs)
+    # Only the head trains, so no backward through the prompt follows the chunks; the last chunk's loss is constant.
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith("lm_head"))
+    engine = _StubEngine(model)
+    constant_last = lambda out, rows: out.logps.sum() if rows.min() == 0 else torch.zeros(())
+    with pytest.raises(RuntimeError, match="accumulation boundary"):
+        chunked_backward(engine, prompts, comps, constant_last, **kwargs)
+    assert engine._is_gradient_accumulation_boundary is None
+    # Parameters a DeepSpeed engine manages, passed without the engine.
+    model.lm_head.weight.ds_id = 0
+    with pytest.raises(ValueError, match="pass the engine itself"):
+        chunked_backward(model, prompts, comps, loss_fn, **kwargs)

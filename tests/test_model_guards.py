@@ -2,8 +2,9 @@
 
 Covered: RoPE whose frequencies depend on the forward's length (``dynamic``, ``longrope``), PEFT on the lm_head
 (LoRA, trainable tokens, LoRA on a tied embedding), the head check per model instance (config logit settings the
-class ignores, hooks added after first use), deep copies of a prepared model, and a decoder layer repeated in the
-layer list.
+class ignores, hooks added after first use), deep copies of a prepared model, a decoder layer repeated in the
+layer list, and what DeepSpeed's engine looks like from outside (a wrapper with a ``config`` of its own that
+forwards unknown attributes to the model; ZeRO-3's empty parameter placeholders).
 """
 
 from __future__ import annotations
@@ -180,3 +181,46 @@ def test_decoder_layer_repeated_in_layer_list_is_refused():
     prompts, pmask, comps, cmask = make_batch(2, 2, prompt_len=6, completion_len=4)
     with pytest.raises(ValueError, match="ran twice in one forward"):
         compute_logps(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask)
+
+
+class _EngineLike(torch.nn.Module):
+    """Shaped like DeepSpeed's engine: the model under ``module``, a ``config`` of its own (the engine's settings),
+    and unknown attributes forwarded to the model, so ``get_output_embeddings`` resolves on the wrapper too."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.config = {"train_micro_batch_size_per_gpu": 1}
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def test_wrapper_with_own_config_that_forwards_attributes_is_unwrapped():
+    model = build_model("llama")
+    prompts, pmask, comps, cmask = make_batch(2, 2, prompt_len=6, completion_len=4)
+    wrapped = _EngineLike(model)
+    out = compute_logps(wrapped, prompts, comps, prompt_mask=pmask, completion_mask=cmask, return_entropy=True)
+    dense = compute_logps(
+        model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, return_entropy=True, backend="dense"
+    )
+    assert (out.logps - dense.logps).abs().max() <= 1e-5
+    grads = parameter_grads(model, weighted_loss(out))
+    reference = parameter_grads(model, weighted_loss(dense))
+    assert max((grads[n] - r).norm().item() / r.norm().item() for n, r in reference.items()) <= 1e-4
+
+
+def test_partitioned_parameter_reports_its_full_shape():
+    from shared_prefix_logps.model_support import full_shape
+
+    # What DeepSpeed ZeRO-3 leaves outside a forward: an empty placeholder, the real shape in ds_shape.
+    placeholder = torch.nn.Parameter(torch.empty(0))
+    placeholder.ds_shape = torch.Size([VOCAB, 32])
+    assert full_shape(placeholder) == torch.Size([VOCAB, 32])
+    assert full_shape(torch.nn.Parameter(torch.empty(3, 4))) == torch.Size([3, 4])

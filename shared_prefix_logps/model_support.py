@@ -195,14 +195,24 @@ def rope_length_limit(causal_lm: nn.Module) -> int | None:
                 # Frequencies stay the original ones only while the largest position + 1 is below this.
                 bound = int(module.original_max_seq_len) - 1
             elif kind == "longrope":
-                parameters = module.config.rope_parameters
-                if layer_type is not None:
-                    parameters = parameters[layer_type]
-                bound = int(parameters["original_max_position_embeddings"])
+                bound = _longrope_original_length(module.config, layer_type)
             else:
                 continue
             limit = bound if limit is None else min(limit, bound)
     return limit
+
+
+def _longrope_original_length(config, layer_type: str | None) -> int:
+    """The length past which ``longrope`` switches to its long factors, read where the installed transformers
+    reads it: ``rope_parameters`` from 5.0 on; before, ``config.original_max_position_embeddings`` with
+    ``max_position_embeddings`` as its fallback."""
+    parameters = getattr(config, "rope_parameters", None)
+    if isinstance(parameters, dict):
+        if layer_type is not None:
+            parameters = parameters[layer_type]
+        return int(parameters["original_max_position_embeddings"])
+    original = getattr(config, "original_max_position_embeddings", None)
+    return int(original if original is not None else config.max_position_embeddings)
 
 
 def _head_spec(causal_lm) -> HeadSpec:

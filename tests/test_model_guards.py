@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 from exactness import compare_with_dense, parameter_grads, weighted_loss
-from tiny_models import VOCAB, build_model, make_batch, randomize_lora
+from tiny_models import VOCAB, build_model, make_batch, randomize_lora, rope_kwargs
 
 from shared_prefix_logps import UnsupportedModelError, compute_logps, compute_logps_concatenated
 
@@ -52,11 +52,11 @@ def _length_dependent_rope_model(kind: str, threshold: int):
             pad_token_id=0,
             bos_token_id=1,
             eos_token_id=2,
-            rope_parameters=rope,
+            **rope_kwargs(rope),  # 4.x longrope reads the original length from the config above
         )
         return tf.Phi3ForCausalLM(config).eval()
     rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
-    config = tf.LlamaConfig(**TINY, max_position_embeddings=threshold, rope_parameters=rope)
+    config = tf.LlamaConfig(**TINY, max_position_embeddings=threshold, **rope_kwargs(rope))
     return tf.LlamaForCausalLM(config).eval()
 
 

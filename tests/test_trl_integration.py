@@ -277,6 +277,9 @@ def test_fp32_lm_head_under_bf16_autocast(tmp_path, monkeypatch):
     """``cast_lm_head_to_fp32`` runs TRL's head in float32 outside autocast; the shared path's head must too."""
     from shared_prefix_logps import head
 
+    # transformers 4.x TrainingArguments exports its precision as ACCELERATE_MIXED_PRECISION; without this the
+    # variable outlives the test and later trainers (the DDP test's spawned workers too) run under bf16 autocast.
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
     trainer = make_trainer(tmp_path, bf16=True, cast_lm_head_to_fp32=True, temperature=0.7)
     assert trainer.accelerator.mixed_precision == "bf16"
     input_ids, attention_mask, keep = _batch(trainer, rows=8, prompt=8, completion=6)

@@ -3,6 +3,17 @@
 from __future__ import annotations
 
 import torch
+import transformers
+
+#: transformers 5 moved every RoPE setting into ``config.rope_parameters``; 4.x configs take ``rope_theta``,
+#: ``partial_rotary_factor`` and ``rope_scaling`` (and Gemma3 ``rope_local_base_freq``) and silently keep an unknown
+#: ``rope_parameters`` kwarg as a plain attribute, so the tests below would lose their RoPE variants unnoticed.
+TRANSFORMERS_4 = int(transformers.__version__.split(".")[0]) < 5
+
+#: Families whose modeling code does not route attention through ``AttentionInterface`` in the installed
+#: transformers (the library refuses them there with UnsupportedModelError), with the reason.
+NOT_ROUTED = {"qwen2_moe": "Qwen2-MoE routes attention through AttentionInterface from transformers 5.0 on"}
+NOT_ROUTED = NOT_ROUTED if TRANSFORMERS_4 else {}
 
 VOCAB = 101  # odd on purpose: nothing may assume a power of two
 
@@ -24,6 +35,27 @@ MORE_FAMILIES = (
     "granite",
     "deepseek_v3",
 )
+
+
+def rope_kwargs(parameters: dict) -> dict:
+    """Config kwargs that set RoPE ``parameters`` (transformers 5 ``rope_parameters``, possibly one dict per layer
+    type) in the installed transformers' terms."""
+    if not TRANSFORMERS_4:
+        return {"rope_parameters": parameters}
+    if "full_attention" in parameters:  # Gemma3: global layers as rope_theta/rope_scaling, local ones by base only
+        local = parameters["sliding_attention"]
+        assert set(local) <= {"rope_type", "rope_theta"} and local.get("rope_type", "default") == "default", local
+        return {**rope_kwargs(parameters["full_attention"]), "rope_local_base_freq": local["rope_theta"]}
+    scaling = dict(parameters)
+    kwargs = {"rope_theta": scaling.pop("rope_theta")}
+    if "partial_rotary_factor" in scaling:
+        kwargs["partial_rotary_factor"] = scaling.pop("partial_rotary_factor")
+    kind = scaling.get("rope_type", "default")
+    if kind == "longrope":
+        # 4.x Phi3 takes exactly these three fields and the original length from the config's own attribute.
+        scaling = {"type": kind, "short_factor": scaling["short_factor"], "long_factor": scaling["long_factor"]}
+    kwargs["rope_scaling"] = None if kind == "default" else scaling
+    return kwargs
 
 
 def build_model(
@@ -74,7 +106,7 @@ def build_model(
             bos_token_id=1,
             eos_token_id=2,  # Phi3's defaults (32000) lie outside the tiny vocabulary
             tie_word_embeddings=bool(tied),
-            rope_parameters={"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.5},
+            **rope_kwargs({"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.5}),
         )
         cls = tf.Phi3ForCausalLM
     elif family in MORE_FAMILIES:
@@ -149,15 +181,17 @@ def _more_family_config(family: str, common: dict, tied: bool | None):
             num_experts_per_tok=2,
             sliding_window=5,
             layer_types=["sliding_attention", "full_attention"],
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 150000.0,
-                "factor": 4.0,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "truncate": False,
-                "original_max_position_embeddings": 64,
-            },
+            **rope_kwargs(
+                {
+                    "rope_type": "yarn",
+                    "rope_theta": 150000.0,
+                    "factor": 4.0,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "truncate": False,
+                    "original_max_position_embeddings": 64,
+                }
+            ),
             tie_word_embeddings=bool(tied),
         )
         return config, tf.GptOssForCausalLM
@@ -168,10 +202,12 @@ def _more_family_config(family: str, common: dict, tied: bool | None):
             query_pre_attn_scalar=12,
             sliding_window=5,
             layer_types=["sliding_attention", "full_attention"],
-            rope_parameters={
-                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
-            },
+            **rope_kwargs(
+                {
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+                }
+            ),
             tie_word_embeddings=True if tied is None else tied,
         )
         return config, tf.Gemma3ForCausalLM
@@ -241,16 +277,18 @@ def _more_family_config(family: str, common: dict, tied: bool | None):
             topk_group=1,
             first_k_dense_replace=1,
             # YaRN with mscale_all_dim, as the released checkpoints: it also rescales the attention scores
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 64,
-                "beta_fast": 32.0,
-                "beta_slow": 1.0,
-                "mscale": 1.0,
-                "mscale_all_dim": 1.0,
-            },
+            **rope_kwargs(
+                {
+                    "rope_type": "yarn",
+                    "rope_theta": 10000.0,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "mscale": 1.0,
+                    "mscale_all_dim": 1.0,
+                }
+            ),
             tie_word_embeddings=bool(tied),
         )
         return config, tf.DeepseekV3ForCausalLM

@@ -11,7 +11,7 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH_SPEC)"
-	$(PIP) -e ".[dev,trl,bench]"
+	$(PIP) -e ".[dev,trl,bench,deepspeed]"
 	touch $@
 
 demo: $(VENV)/.installed

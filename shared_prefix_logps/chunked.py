@@ -72,6 +72,7 @@ def chunked_backward(
     if not torch.is_grad_enabled():
         raise RuntimeError("chunked_backward runs backward passes; call it with gradients enabled")
     backward = _backward_driver(model)
+    _refuse_fsdp1(model)
     prepared = prepare_model(model)
     batch = group_batch(prompts, completions, prompt_mask, completion_mask, model=prepared)
     rows, length = batch.completion_ids.shape
@@ -252,3 +253,20 @@ class _DeepSpeedBackward:
     def close(self) -> None:
         if self.managed:
             self.engine.set_gradient_accumulation_boundary(self.override)
+
+
+def _refuse_fsdp1(model: nn.Module) -> None:
+    """FSDP1 (``FullyShardedDataParallel``) cannot serve several backwards through one forward: after the first
+    chunk's backward it frees the unsharded parameters that the prompt's graph still needs, and the final backward
+    through the prompt reads freed storage (a crash seen on CPU/gloo, not a wrong number). FSDP2 (``fully_shard``)
+    re-gathers per backward and is supported."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return
+    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
+        raise NotImplementedError(
+            "chunked_backward does not support FSDP1 (FullyShardedDataParallel): it backpropagates several times "
+            "through one forward, which FSDP1 cannot; wrap the model with FSDP2 (torch.distributed.fsdp.fully_shard) "
+            "or call compute_logps and backward once"
+        )

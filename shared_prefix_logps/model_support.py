@@ -154,8 +154,8 @@ def prepare_model(model: nn.Module) -> PreparedModel:
         outer=model,
         causal_lm=causal_lm,
         head=head,
-        input_vocab_size=full_shape(embeddings.weight)[0],
-        output_vocab_size=full_shape(head.lm_head.weight)[0],
+        input_vocab_size=_rows(embeddings),
+        output_vocab_size=_rows(head.lm_head),
         device=embeddings.weight.device,
         rope_length_limit=rope_length_limit(causal_lm),
     )
@@ -165,6 +165,16 @@ def prepare_model(model: nn.Module) -> PreparedModel:
         _verify_head(prepared)
         verified.add(signature)
     return prepared
+
+
+def _rows(module: nn.Module) -> int:
+    """Vocabulary rows of an embedding or head, from the module's own size attributes where it has them: sharding
+    wrappers (FSDP1 with ``use_orig_params``, ZeRO-3) leave parameters flattened or empty outside a forward."""
+    for name in ("num_embeddings", "out_features"):
+        value = getattr(module, name, None)
+        if isinstance(value, int):
+            return value
+    return full_shape(module.weight)[0]
 
 
 def full_shape(param: torch.Tensor) -> torch.Size:
@@ -217,7 +227,11 @@ def _longrope_original_length(config, layer_type: str | None) -> int:
 
 def _head_spec(causal_lm) -> HeadSpec:
     lm_head = causal_lm.get_output_embeddings()
-    if not isinstance(getattr(lm_head, "weight", None), torch.Tensor) or len(full_shape(lm_head.weight)) != 2:
+    # An nn.Linear head has a 2-D weight by construction (sharding wrappers may show it flattened outside a forward;
+    # inside, effective_head reads the real one). Anything else must show a 2-D weight here.
+    linear = isinstance(lm_head, nn.Linear) or isinstance(getattr(lm_head, "base_layer", None), nn.Linear)
+    weight = getattr(lm_head, "weight", None)
+    if not linear and (not isinstance(weight, torch.Tensor) or len(full_shape(weight)) != 2):
         raise UnsupportedModelError(
             f"the lm_head of {type(causal_lm).__name__} ({type(lm_head).__name__}) has no 2-D weight to fuse"
         )

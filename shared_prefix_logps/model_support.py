@@ -168,12 +168,18 @@ def prepare_model(model: nn.Module) -> PreparedModel:
 
 
 def _rows(module: nn.Module) -> int:
-    """Vocabulary rows of an embedding or head, from the module's own size attributes where it has them: sharding
-    wrappers (FSDP1 with ``use_orig_params``, ZeRO-3) leave parameters flattened or empty outside a forward."""
-    for name in ("num_embeddings", "out_features"):
-        value = getattr(module, name, None)
-        if isinstance(value, int):
-            return value
+    """Vocabulary rows of an embedding or head, from the torch module's own size attributes where it has them:
+    sharding wrappers (FSDP1 with ``use_orig_params``, ZeRO-3) leave parameters flattened or empty outside a
+    forward. PEFT wrappers are looked through (their ``out_features`` is an embedding's width, not its rows)."""
+    for _ in range(8):
+        inner = getattr(module, "base_layer", None) or getattr(module, "original_module", None)
+        if not isinstance(inner, nn.Module):
+            break
+        module = inner
+    if isinstance(module, nn.Embedding):
+        return module.num_embeddings
+    if isinstance(module, nn.Linear):
+        return module.out_features
     return full_shape(module.weight)[0]
 
 

@@ -1,21 +1,15 @@
 """Two-process gloo DDP: the shared path through DistributedDataParallel gives the dense path's averaged gradients."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from distributed_setup import free_port
 from tiny_models import build_model, make_batch
 
 from shared_prefix_logps import chunked_backward, compute_logps
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _weights(rows, length):
@@ -58,7 +52,7 @@ def _worker(rank, port, results, find_unused):
 def test_ddp_gradients_equal_averaged_dense_gradients(find_unused):
     manager = mp.Manager()
     results = manager.dict()
-    mp.spawn(_worker, args=(_free_port(), results, find_unused), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), results, find_unused), nprocs=2, join=True)
     reference = build_model("qwen2")
     dense_grads = []
     for rank in range(2):

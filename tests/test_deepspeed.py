@@ -11,24 +11,16 @@ step) with the mean of the dense gradients over ranks and micro-batches (what Ze
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from distributed_setup import GENERATIONS, concatenated, free_port, weighted_loss
 from tiny_models import build_model, make_batch, randomize_lora
 
 from shared_prefix_logps import chunked_backward, compute_logps, compute_logps_concatenated
 
 deepspeed = pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
-
-GENERATIONS = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(family: str, tied: bool, lora: bool):
@@ -44,22 +36,6 @@ def _model(family: str, tied: bool, lora: bool):
 
 def _batch(rank: int, micro_batch: int = 0):
     return make_batch(2, GENERATIONS, prompt_len=9, completion_len=5, seed=rank + 2 * micro_batch)
-
-
-def _weights(shape):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(7))
-
-
-def _loss(out, rows=None):
-    weights = _weights((2 * GENERATIONS, out.logps.shape[1]))
-    weights = weights if rows is None else weights[rows]
-    return (out.logps * weights).sum() + (out.entropy * weights.flip(1)).sum()
-
-
-def _concatenated(prompts, pmask, comps, cmask):
-    rows = torch.cat([prompts.repeat_interleave(GENERATIONS, 0), comps], dim=1)
-    mask = torch.cat([pmask.repeat_interleave(GENERATIONS, 0), cmask], dim=1)
-    return rows, mask
 
 
 def _config(stage: int, accumulation: int) -> dict:
@@ -105,14 +81,14 @@ def _worker(rank, port, results, stage, family, tied, lora, accumulation):
         prompts, pmask, comps, cmask = batches[0]
         # The engine's own module would take backward passes that ZeRO overwrites instead of accumulating.
         with pytest.raises(ValueError, match="pass the engine itself"):
-            chunked_backward(engine.module, prompts, comps, _loss, generations_per_chunk=1, prompt_mask=pmask)
+            chunked_backward(engine.module, prompts, comps, weighted_loss, generations_per_chunk=1, prompt_mask=pmask)
         scored, logps, chunked = [], [], []
         for micro_batch, (prompts, pmask, comps, cmask) in enumerate(batches):
             with torch.no_grad():
-                rows, mask = _concatenated(prompts, pmask, comps, cmask)
+                rows, mask = concatenated(prompts, pmask, comps, cmask)
                 scored.append(compute_logps_concatenated(engine, rows, mask, comps.shape[1]).logps)
             out = compute_logps(engine, prompts, comps, prompt_mask=pmask, completion_mask=cmask, return_entropy=True)
-            engine.backward(_loss(out))
+            engine.backward(weighted_loss(out))
             logps.append(out.logps.detach())
             if micro_batch == accumulation - 1:
                 grads = _full_grads(engine, names)
@@ -122,7 +98,7 @@ def _worker(rank, port, results, stage, family, tied, lora, accumulation):
                 engine,
                 prompts,
                 comps,
-                _loss,
+                weighted_loss,
                 generations_per_chunk=1,
                 prompt_mask=pmask,
                 completion_mask=cmask,
@@ -148,7 +124,7 @@ def _dense_reference(family, tied, lora, accumulation):
             out = compute_logps(
                 model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, return_entropy=True, backend="dense"
             )
-            _loss(out).backward()
+            weighted_loss(out).backward()
             logps[rank, micro_batch] = out.logps.detach()
             grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
     averaged = {name: sum(grad[name] for grad in grads) / len(grads) for name in grads[0]}
@@ -171,7 +147,7 @@ def test_deepspeed_matches_dense(monkeypatch, stage, family, tied, lora, accumul
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")
     manager = mp.Manager()
     results = manager.dict()
-    args = (_free_port(), results, stage, family, tied, lora, accumulation)
+    args = (free_port(), results, stage, family, tied, lora, accumulation)
     mp.spawn(_worker, args=args, nprocs=2, join=True)
     dense_logps, dense_grads = _dense_reference(family, tied, lora, accumulation)
     for rank in range(2):

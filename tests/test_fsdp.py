@@ -10,23 +10,15 @@ parameter's full gradient with the average of the two ranks' dense gradients (wh
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from distributed_setup import GENERATIONS, concatenated, free_port, weighted_loss
 from tiny_models import build_model, make_batch, randomize_lora
 
 from shared_prefix_logps import chunked_backward, compute_logps, compute_logps_concatenated
-
-GENERATIONS = 3
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(family: str, lora: bool):
@@ -41,22 +33,6 @@ def _model(family: str, lora: bool):
 
 def _batch(rank: int):
     return make_batch(2, GENERATIONS, prompt_len=9, completion_len=5, seed=rank)
-
-
-def _weights(shape):
-    return torch.randn(shape, generator=torch.Generator().manual_seed(7))
-
-
-def _loss(out, rows=None):
-    weights = _weights((2 * GENERATIONS, out.logps.shape[1]))
-    weights = weights if rows is None else weights[rows]
-    return (out.logps * weights).sum() + (out.entropy * weights.flip(1)).sum()
-
-
-def _concatenated(prompts, pmask, comps, cmask):
-    rows = torch.cat([prompts.repeat_interleave(GENERATIONS, 0), comps], dim=1)
-    mask = torch.cat([pmask.repeat_interleave(GENERATIONS, 0), cmask], dim=1)
-    return rows, mask
 
 
 def _layers(model):
@@ -138,14 +114,14 @@ def _worker(rank, port, results, engine, family, lora, checkpointing):
         wrapped = {"fsdp2": _wrap_fsdp2, "fsdp1": _wrap_fsdp1}[engine](model)
         prompts, pmask, comps, cmask = _batch(rank)
         with torch.no_grad():
-            scored = compute_logps_concatenated(wrapped, *_concatenated(prompts, pmask, comps, cmask), comps.shape[1])
+            scored = compute_logps_concatenated(wrapped, *concatenated(prompts, pmask, comps, cmask), comps.shape[1])
         out = compute_logps(wrapped, prompts, comps, prompt_mask=pmask, completion_mask=cmask, return_entropy=True)
-        _loss(out).backward()
+        weighted_loss(out).backward()
         grads = _full_grads(engine, wrapped, names)
         wrapped.zero_grad(set_to_none=True)
         if engine == "fsdp1":
             with pytest.raises(NotImplementedError, match="FSDP1"):
-                chunked_backward(wrapped, prompts, comps, _loss, generations_per_chunk=1, prompt_mask=pmask)
+                chunked_backward(wrapped, prompts, comps, weighted_loss, generations_per_chunk=1, prompt_mask=pmask)
             results[rank] = dict(scored=scored.logps, logps=out.logps.detach(), grads=grads)
             dist.barrier()
             return
@@ -153,7 +129,7 @@ def _worker(rank, port, results, engine, family, lora, checkpointing):
             wrapped,
             prompts,
             comps,
-            _loss,
+            weighted_loss,
             generations_per_chunk=1,
             prompt_mask=pmask,
             completion_mask=cmask,
@@ -181,7 +157,7 @@ def _dense_reference(family, lora):
         out = compute_logps(
             model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, return_entropy=True, backend="dense"
         )
-        _loss(out).backward()
+        weighted_loss(out).backward()
         logps.append(out.logps.detach())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
     averaged = {name: (grads[0][name] + grads[1][name]) / 2 for name in grads[0]}
@@ -201,7 +177,7 @@ CASES = [
 def test_fsdp_matches_dense(engine, family, lora, checkpointing):
     manager = mp.Manager()
     results = manager.dict()
-    mp.spawn(_worker, args=(_free_port(), results, engine, family, lora, checkpointing), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), results, engine, family, lora, checkpointing), nprocs=2, join=True)
     dense_logps, dense_grads = _dense_reference(family, lora)
     for rank in range(2):
         got = results[rank]

@@ -18,9 +18,11 @@ See the module docstrings of ``_trl_logps`` and ``_trl_chunked`` for how.
 
 Distributed: ``mode="logps"`` calls the wrapped model as TRL does; under DDP, DDP reduces the gradients itself. In
 ``mode="chunked"`` the grad-enabled forwards run the module inside DDP and the gradients are averaged once per
-optimizer step, after the backward that ends the accumulation window (``_trl_ddp``). Under DeepSpeed/FSDP
-``mode="logps"`` calls the wrapped model as TRL does (the core is tested under FSDP2; the plug-in under accelerate's
-FSDP/DeepSpeed is not yet); ``mode="chunked"`` refuses them.
+optimizer step, after the backward that ends the accumulation window (``_trl_ddp``). Under accelerate's FSDP
+``mode="logps"`` calls the sharded model, FSDP gathers and reduce-scatters as usual, and the processes are kept making
+the same model calls whatever their rows (``_trl_fsdp``; tested with FSDP2). Under DeepSpeed ``mode="logps"`` calls
+the wrapped model as TRL does (untested; under ZeRO-3 processes whose no-grad calls forward a different number of
+times would fall out of step). ``mode="chunked"`` refuses FSDP, DeepSpeed and Megatron.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 
 from ..model_support import prepare_model
 from ._trl_chunked import REQUIRED_ARGS, REQUIRED_TRAINER_ATTRIBUTES, ChunkedStep
+from ._trl_fsdp import Lockstep, make_lockstep
 from ._trl_logps import LogpsPatch, compute_dtype
 from ._trl_utils import (
     PatchStats,
@@ -78,6 +81,8 @@ class GRPOPatch:
     logps: LogpsPatch | None = field(default=None, repr=False)
     # the DDP wrapper a grad-enabled call bypassed since the last gradient averaging (see _trl_ddp)
     bypassed_ddp: object = field(default=None, repr=False)
+    # under FSDP: keeps the processes' model calls in step (see _trl_fsdp); None otherwise
+    lockstep: Lockstep | None = field(default=None, repr=False)
 
     def tolerance(self, model) -> tuple[float, float]:
         if self.self_check_tolerance is not None:
@@ -143,6 +148,7 @@ def patch_grpo_trainer(
         backend=backend,
         generations_per_chunk=generations_per_chunk,
         self_check_tolerance=self_check_tolerance,
+        lockstep=make_lockstep(trainer),
     )
     # Prepare the models now (attention function, head proxy, one head check per class): unsupported models fail
     # here, and the float32 head shim needs the proxy in place.

@@ -53,7 +53,7 @@ def _let_accelerate_shard_on_cpu():
 
 
 def _worker(rank, port, path, results):
-    """One of two gloo processes: unpatched and logps runs of the same FSDP2 trainer, one after the other."""
+    """One of two gloo processes: unpatched, logps and chunked runs of the same FSDP2 trainer, one after the other."""
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -72,14 +72,14 @@ def _worker(rank, port, path, results):
         gradient_accumulation_steps=2,
         steps_per_generation=4,  # old-policy log-probs: no-grad calls over whole generation batches
         temperature=0.7,
-        top_entropy_quantile=0.6,  # TRL gathers the quantile over processes
+        top_entropy_quantile=0.6,  # chunked: a no-grad scoring pass per micro-batch; TRL gathers the quantile
         mask_truncated_completions=True,
         ddp_backend="gloo",
         ddp_timeout=120,  # processes out of step fail in minutes instead of hanging for half an hour
         fsdp="full_shard",
         fsdp_config=FSDP_CONFIG,
     )
-    for mode in (None, "logps"):
+    for mode in (None, "logps", "chunked"):
         with pytest.MonkeyPatch.context() as monkeypatch:
             # Process 0's first generation batch is all truncated, so all masked: its no-grad calls have nothing to
             # forward while process 1's do, and its self-checks wait while process 1's run.
@@ -112,7 +112,7 @@ def _relative(a, b):
 
 def test_two_process_fsdp2_matches_unpatched(tmp_path):
     """accelerate FSDP2 (gloo, CPU), gradient accumulation 2, a sharded reference model, one process's first
-    generation batch all masked: mode="logps" trains as the unpatched trainer does (log-probs, losses, gradients,
+    generation batch all masked: both modes train as the unpatched trainer does (log-probs, losses, gradients,
     parameters, steps, logged metrics), with every self-check passed and no fallback."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -121,10 +121,10 @@ def test_two_process_fsdp2_matches_unpatched(tmp_path):
     mp.spawn(_worker, args=(port, tmp_path, results), nprocs=2, join=True)
     for rank in range(2):
         base = results[f"None{rank}"]
-        for mode in ("logps",):
+        for mode in ("logps", "chunked"):
             run = results[f"{mode}{rank}"]
             assert run["checks"] and all(run["checks"]) and run["fallbacks"] == 0
-            assert run["chunked_steps"] == 0
+            assert run["chunked_steps"] == (6 if mode == "chunked" else 0)
             assert run["steps"] == base["steps"] == (3, 3) and run["lrs"] == base["lrs"]
             # log-probs TRL received (chunked: the policy's go through chunked_backward instead)
             expected = base["calls"] if mode == "logps" else [c for c in base["calls"] if not c[0]]
@@ -144,4 +144,65 @@ def test_two_process_fsdp2_matches_unpatched(tmp_path):
             for entry, base_entry in zip(run["log"], base["log"], strict=True):
                 assert entry == pytest.approx(base_entry, rel=1e-4, abs=1e-6)
     # process 0's empty batches made it wait for process 1's forwards (and the other way round for the self-checks)
-    assert results["logps0"]["padding"] > 0
+    assert results["logps0"]["padding"] > 0 and results["chunked0"]["padding"] > 0
+
+
+class _FixedAgreement:
+    """A one-process stand-in for :class:`~shared_prefix_logps.integrations._trl_fsdp.Lockstep`: the other
+    processes' largest value is ``others``."""
+
+    def __init__(self, others):
+        self.others = others
+
+    def max(self, value):
+        return max(value, self.others)
+
+
+@pytest.mark.parametrize("others", [0, 4])
+def test_padded_groups_share_one_shape_and_keep_every_row(others):
+    from shared_prefix_logps.integrations._trl_fsdp import padded_groups
+
+    # rows of three prompts, shuffled: [5, 6] x3, [7] (left-padded) x1, [8, 9] x2
+    prompt_ids = torch.tensor([[5, 6], [0, 7], [8, 9], [5, 6], [8, 9], [5, 6]])
+    prompt_mask = torch.tensor([[1, 1], [0, 1], [1, 1], [1, 1], [1, 1], [1, 1]])
+    completion_ids = torch.arange(6 * 3).reshape(6, 3) + 10
+    completion_mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]])
+    prompts, prompts_mask, completions, completions_mask, slot_rows, generations = padded_groups(
+        _FixedAgreement(others), prompt_ids, prompt_mask, completion_ids, completion_mask
+    )
+    assert generations == max(3, others)
+    assert prompts.shape == (4, 2) and completions.shape == (4 * generations, 3)
+    real = slot_rows >= 0
+    assert sorted(slot_rows[real].tolist()) == list(range(6))
+    assert torch.equal(completions[real], completion_ids[slot_rows[real]])
+    assert torch.equal(completions_mask[real], completion_mask[slot_rows[real]])
+    for group in range(3):  # each group's rows, in their order, then padding
+        rows = slot_rows[group * generations : (group + 1) * generations]
+        rows = rows[rows >= 0]
+        assert rows.tolist() == sorted(rows.tolist())
+        assert all(torch.equal(prompts[group], prompt_ids[row]) for row in rows.tolist())
+    assert not completions_mask[~real][: 3 * generations - 6].any()  # padding rows of real groups are masked
+    # the placeholder: a two-token prompt whose rows each have one valid token
+    assert prompts_mask[3].tolist() == [1, 1]
+    assert completions_mask[3 * generations :].tolist() == [[1, 0, 0]] * generations
+
+
+def test_chunked_mode_refuses_fsdp1_deepspeed_and_megatron():
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from shared_prefix_logps.integrations.trl import _check_chunked_supported
+
+    def trainer(kind, fsdp_version=None):
+        plugin = None if fsdp_version is None else SimpleNamespace(fsdp_version=fsdp_version)
+        accelerator = SimpleNamespace(distributed_type=kind, state=SimpleNamespace(fsdp_plugin=plugin))
+        return SimpleNamespace(accelerator=accelerator, args=SimpleNamespace())
+
+    with pytest.raises(NotImplementedError, match="FSDP2"):
+        _check_chunked_supported(trainer(DistributedType.FSDP, fsdp_version=1))
+    for kind in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        with pytest.raises(NotImplementedError, match="does not support"):
+            _check_chunked_supported(trainer(kind))
+    with pytest.raises(NotImplementedError, match="lacks"):  # FSDP2 passes the engine check
+        _check_chunked_supported(trainer(DistributedType.FSDP, fsdp_version=2))

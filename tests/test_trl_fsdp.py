@@ -10,6 +10,7 @@ accumulation (``set_requires_gradient_sync``), FSDP2 gradient clipping and the o
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 
@@ -62,6 +63,8 @@ def _worker(rank, port, path, results):
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE="2",
     )
+    # A process left waiting for a collective dies with its stack instead of hanging the test (a run takes seconds)
+    faulthandler.dump_traceback_later(300, exit=True)
     torch.set_num_threads(1)
     _let_accelerate_shard_on_cpu()
     config = dict(
@@ -104,6 +107,7 @@ def _worker(rank, port, path, results):
             chunked_steps=None if stats is None else stats.chunked_steps,
             padding=None if patch is None else patch.lockstep.padding_forwards,
         )
+    torch.distributed.destroy_process_group()
 
 
 def _relative(a, b):
@@ -117,8 +121,10 @@ def test_two_process_fsdp2_matches_unpatched(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    results = mp.Manager().dict()
-    mp.spawn(_worker, args=(port, tmp_path, results), nprocs=2, join=True)
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_worker, args=(port, tmp_path, results), nprocs=2, join=True)
+        results = dict(results)
     for rank in range(2):
         base = results[f"None{rank}"]
         for mode in ("logps", "chunked"):

@@ -79,7 +79,7 @@ def _worker(rank, port, path, results):
         mask_truncated_completions=True,
         ddp_backend="gloo",
         ddp_timeout=120,  # processes out of step fail in minutes instead of hanging for half an hour
-        fsdp="full_shard",
+        fsdp=True,
         fsdp_config=FSDP_CONFIG,
     )
     for mode in (None, "logps", "chunked"):

@@ -164,6 +164,13 @@ def make_trainer(
     )
 
 
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached copy of the whole tensor; a sharded DTensor (FSDP2) is gathered (a collective: every process
+    calls it, in the same order)."""
+    tensor = tensor.detach()
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).clone()
+
+
 def record_training(trainer) -> Record:
     """Train (max_steps from the config) and record log-probs, losses, first gradients, LRs and steps.
 
@@ -190,9 +197,7 @@ def record_training(trainer) -> Record:
     class Spy(TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
             if record.optimizer_steps == 0:
-                record.first_grads = {
-                    name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None
-                }
+                record.first_grads = {name: full(p.grad) for name, p in model.named_parameters() if p.grad is not None}
             record.learning_rates.append(optimizer.param_groups[0]["lr"])
 
         def on_optimizer_step(self, args, state, control, **kwargs):
@@ -202,7 +207,7 @@ def record_training(trainer) -> Record:
     trainer.training_step = training_step
     trainer.add_callback(Spy())
     trainer.train()
-    record.params = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if p.requires_grad}
+    record.params = {name: full(p) for name, p in trainer.model.named_parameters() if p.requires_grad}
     record.global_step = trainer.state.global_step
     record.log_history = list(trainer.state.log_history)
     return record

@@ -15,6 +15,9 @@ training step calls in between:
 - ``trainer.accelerator.backward``: skipped for that returned (already back-propagated) loss; any other loss is
   back-propagated as usual. Under DDP the gradients are then averaged at the accumulation boundary (``_trl_ddp``).
 
+Under FSDP2 the chunked calls go through the sharded model and FSDP reduce-scatters as usual; the micro-batch then
+runs as one ``chunked_backward`` call of a shape all processes agree on, so that they stay in step (``_trl_fsdp``).
+
 The loss gradient is checked against TRL's own (``self_check``): TRL's ``_compute_loss`` is differentiated with
 respect to leaf log-probs/entropies and compared with ``grpo_loss``'s gradient, on the first micro-batch where TRL's
 gradient is not exactly zero (a zero gradient, e.g. every advantage 0, would pass whatever the normalizers; such
@@ -24,12 +27,15 @@ first micro-batch with a valid completion token.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..api import compute_logps_concatenated
 from ..chunked import chunked_backward
 from ..losses import grpo_loss, trl_micro_batch_counts
 from ._trl_ddp import sync_bypassed_ddp, unwrap_ddp
+from ._trl_fsdp import padded_groups
 from ._trl_utils import (
     AutocastForward,
     SelfCheckError,
@@ -262,6 +268,9 @@ class ChunkedStep:
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
         reason = "return_outputs=True" if return_outputs else unsupported_reason(trainer, model, inputs)
+        lockstep = self.patch.lockstep
+        if lockstep is not None and lockstep.any(reason is not None) and reason is None:
+            reason = "another process cannot take the chunked path (FSDP: all processes fall back together)"
         if reason is not None:
             stats = self.patch.stats
             stats.fallback_reasons[f"chunked: {reason}"] = stats.fallback_reasons.get(f"chunked: {reason}", 0) + 1
@@ -288,7 +297,7 @@ class ChunkedStep:
 
         entropy_mask = None
         if trainer.top_entropy_quantile < 1.0:
-            entropy_mask = self._entropy_mask(forward_model, inputs, loss_mask)
+            entropy_mask = self._entropy_mask(inner, forward_model, inputs, loss_mask)
         loss_of_rows = MicroBatchLoss(trainer, inputs, loss_mask, entropy_mask)
         logps, entropies, total = self._chunked_backward(forward_model, inputs, loss_of_rows)
 
@@ -308,9 +317,15 @@ class ChunkedStep:
                 f"same log-probs is {float(trl_loss):.8g}"
             )
         valid = completion_mask != 0
-        if patch.self_check and not self.logps_checked:
-            self._check_logps(inner, inputs, logps, entropies, valid)
+        with self._in_step(inner):  # under FSDP every process enters, whether or not it checks now
+            if patch.self_check and not self.logps_checked:
+                self._check_logps(inner, inputs, logps, entropies, valid)
         return trl_loss.detach()
+
+    def _in_step(self, model):
+        """Under FSDP, join the block's no-grad forwards of ``model`` with the other processes' (``_trl_fsdp``)."""
+        lockstep = self.patch.lockstep
+        return contextlib.nullcontext() if lockstep is None else lockstep.forwards(model)
 
     def _check_logps(self, model, inputs, logps, entropies, valid) -> None:
         """Compare the chunked (B, C) log-probs/entropies with TRL's own, once, on a micro-batch with a valid token
@@ -331,7 +346,7 @@ class ChunkedStep:
         trivial = self.patch.stats.trivial_self_checks
         trivial[what] = trivial.get(what, 0) + 1
 
-    def _entropy_mask(self, forward_model, inputs, loss_mask) -> torch.Tensor:
+    def _entropy_mask(self, model, forward_model, inputs, loss_mask) -> torch.Tensor:
         """TRL's high-entropy mask of the micro-batch, from one scoring pass without gradient.
 
         TRL's quantile is taken over the whole micro-batch (and all processes) and must be known before the first
@@ -340,7 +355,8 @@ class ChunkedStep:
         trainer = self.patch.trainer
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-        with torch.no_grad():
+        # (under FSDP the scoring's forwards are joined; TRL's masking gathers over processes, outside the join)
+        with torch.no_grad(), self._in_step(model):
             scored = compute_logps_concatenated(
                 forward_model,
                 input_ids,
@@ -367,6 +383,9 @@ class ChunkedStep:
         logps = torch.zeros(completion_ids.shape, device=completion_ids.device)
         entropies = torch.zeros_like(logps)
         total = torch.zeros((), dtype=torch.float64, device=completion_ids.device)
+        if patch.lockstep is not None:
+            total = self._padded_chunked_backward(forward_model, inputs, loss_of_rows, logps, entropies, scale, scaler)
+            return logps, entropies, total
         for first_rows, bucket_rows in regroup_rows(prompt_ids, prompt_mask):
             group_size = bucket_rows.numel() // first_rows.numel()
 
@@ -393,6 +412,52 @@ class ChunkedStep:
             entropies[bucket_rows] = out.entropy
             patch.stats.chunked_calls += 1
         return logps, entropies, total
+
+    def _padded_chunked_backward(self, forward_model, inputs, loss_of_rows, logps, entropies, scale, scaler):
+        """FSDP: the micro-batch as one ``chunked_backward`` call whose shape all processes share
+        (:func:`~._trl_fsdp.padded_groups`), so that they forward and back-propagate in step. Writes the real rows'
+        log-probs and entropies into ``logps``/``entropies``; returns the float64 sum of the chunk losses."""
+        patch = self.patch
+        prompts, prompts_mask, completions, completions_mask, slot_rows, generations = padded_groups(
+            patch.lockstep,
+            inputs["prompt_ids"],
+            inputs["prompt_mask"],
+            inputs["completion_ids"],
+            inputs["completion_mask"],
+        )
+        total = torch.zeros((), dtype=torch.float64, device=logps.device)
+
+        def loss_fn(chunk_out, local_rows):
+            nonlocal total
+            rows = slot_rows[local_rows]
+            real = rows >= 0
+            # Every row's outputs (padding and placeholder rows included) reach the loss, times zero: each chunk's
+            # backward then covers the same parameters and the prompts' keys/values on every process.
+            loss = (chunk_out.logps.sum() + chunk_out.entropy.sum()) * 0.0
+            if bool(real.any()):
+                part = loss_of_rows(chunk_out.logps[real], chunk_out.entropy[real], rows[real])
+                total = total + part.detach().double()
+                loss = part + loss
+            loss = loss * scale
+            return scaler.scale(loss) if scaler is not None else loss
+
+        out = chunked_backward(
+            forward_model,
+            prompts,
+            completions,
+            loss_fn,
+            generations_per_chunk=min(patch.generations_per_chunk, generations),
+            prompt_mask=prompts_mask,
+            completion_mask=completions_mask,
+            temperature=float(patch.trainer.temperature),
+            return_entropy=True,
+            backend=patch.backend,
+        )
+        real = slot_rows >= 0
+        logps[slot_rows[real]] = out.logps[real]
+        entropies[slot_rows[real]] = out.entropy[real]
+        patch.stats.chunked_calls += 1
+        return total
 
     def _original_logps(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
         """TRL's own log-probs and entropies of the micro-batch (no gradient), for the self-check."""

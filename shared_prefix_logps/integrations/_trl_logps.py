@@ -11,6 +11,7 @@ it was given at construction. The patch reads ``trainer.temperature`` (the same 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -46,6 +47,12 @@ def compute_dtype(trainer, model) -> torch.dtype:
         return torch.float32
 
 
+def _has_prefix(attention_mask: torch.Tensor, logits_to_keep: int) -> bool:
+    """Whether some prompt has more than one token (Phase 1 forwards ``prompt[:, :-1]``)."""
+    split = attention_mask.shape[1] - logits_to_keep
+    return bool((attention_mask[:, : split - 1] != 0).any())
+
+
 class LogpsPatch:
     """Callable installed as ``trainer._get_per_token_logps_and_entropies``.
 
@@ -67,31 +74,52 @@ class LogpsPatch:
         arguments, reason = self._bind(model, input_ids, attention_mask, logits_to_keep, args, kwargs)
         if reason is None:
             reason = layout_problem(input_ids, attention_mask, logits_to_keep)
+        if self.patch.lockstep is not None:
+            reason = self._agreed_reason(reason, attention_mask, logits_to_keep)
         if reason is not None:
             return self.fallback(reason, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         compute_entropy = bool(arguments.get("compute_entropy", False))
-        try:
-            out = self.compute(model, input_ids, attention_mask, logits_to_keep, compute_entropy)
-        except UnsupportedModelError as error:
-            return self.fallback(
-                f"unsupported model ({error})", model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-            )
+        # Under FSDP a no-grad call's forwards are joined with the other processes' (how many there are depends on the
+        # rows); a call with gradient always makes the same two forwards, Phase 1 and Phase 2
+        with self._in_step(model) if not torch.is_grad_enabled() else contextlib.nullcontext():
+            try:
+                out = self.compute(model, input_ids, attention_mask, logits_to_keep, compute_entropy)
+            except UnsupportedModelError as error:
+                out, reason = None, f"unsupported model ({error})"
+        if out is None:
+            return self.fallback(reason, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         stats = self.patch.stats
         stats.shared_calls += 1
         stats.record_batch(input_ids, attention_mask, logits_to_keep)
         result = self.pack(out.logps, out.entropy)
         key = "logps (grad)" if torch.is_grad_enabled() else "logps (no grad)"
-        if self.patch.self_check and key not in self.checked:
-            if not bool(out.mask.any()):
-                # Every completion token masked: the comparison would cover nothing; the next call of this kind does it.
-                trivial = stats.trivial_self_checks
-                trivial[f"{key} (no valid token)"] = trivial.get(f"{key} (no valid token)", 0) + 1
-            else:
-                self.checked.add(key)
-                self.self_check(
-                    key, model, input_ids, attention_mask, logits_to_keep, args, kwargs, out, compute_entropy
-                )
+        with self._in_step(model):  # under FSDP every process enters, whether or not it checks now
+            if self.patch.self_check and key not in self.checked:
+                if not bool(out.mask.any()):
+                    # Every completion token masked: the comparison would cover nothing; the next call of this kind
+                    # does it.
+                    trivial = stats.trivial_self_checks
+                    trivial[f"{key} (no valid token)"] = trivial.get(f"{key} (no valid token)", 0) + 1
+                else:
+                    self.checked.add(key)
+                    self.self_check(
+                        key, model, input_ids, attention_mask, logits_to_keep, args, kwargs, out, compute_entropy
+                    )
         return result
+
+    def _in_step(self, model):
+        """Under FSDP, join the block's no-grad forwards of ``model`` with the other processes' (``_trl_fsdp``)."""
+        lockstep = self.patch.lockstep
+        return contextlib.nullcontext() if lockstep is None else lockstep.forwards(model)
+
+    def _agreed_reason(self, reason, attention_mask, logits_to_keep):
+        """FSDP: the processes fall back together, if any of them has a reason to (``_trl_fsdp``)."""
+        if reason is None and torch.is_grad_enabled() and not _has_prefix(attention_mask, logits_to_keep):
+            # Phase 1 would not run on this process: its graph, and so its backward, would differ from the others'
+            reason = "every prompt is a single token (FSDP: no prefix to forward)"
+        if self.patch.lockstep.any(reason is not None) and reason is None:
+            reason = "another process falls back (FSDP: all processes fall back together)"
+        return reason
 
     def compute(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy):
         """The shared-prefix log-probs of a trainer-shaped batch, under the trainer's autocast."""

@@ -18,9 +18,11 @@ See the module docstrings of ``_trl_logps`` and ``_trl_chunked`` for how.
 
 Distributed: ``mode="logps"`` calls the wrapped model as TRL does; under DDP, DDP reduces the gradients itself. In
 ``mode="chunked"`` the grad-enabled forwards run the module inside DDP and the gradients are averaged once per
-optimizer step, after the backward that ends the accumulation window (``_trl_ddp``). Under DeepSpeed/FSDP
-``mode="logps"`` calls the wrapped model as TRL does (the core is tested under FSDP2; the plug-in under accelerate's
-FSDP/DeepSpeed is not yet); ``mode="chunked"`` refuses them.
+optimizer step, after the backward that ends the accumulation window (``_trl_ddp``). Under accelerate's FSDP both
+modes call the sharded model, FSDP gathers and reduce-scatters as usual, and the processes are kept making the same
+model calls whatever their rows (``_trl_fsdp``); tested with FSDP2, and ``mode="chunked"`` refuses FSDP1. Under
+DeepSpeed ``mode="logps"`` calls the wrapped model as TRL does (untested; under ZeRO-3 processes whose no-grad calls
+forward a different number of times would fall out of step) and ``mode="chunked"`` refuses it, as it refuses Megatron.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 
 from ..model_support import prepare_model
 from ._trl_chunked import REQUIRED_ARGS, REQUIRED_TRAINER_ATTRIBUTES, ChunkedStep
+from ._trl_fsdp import Lockstep, make_lockstep
 from ._trl_logps import LogpsPatch, compute_dtype
 from ._trl_utils import (
     PatchStats,
@@ -78,6 +81,8 @@ class GRPOPatch:
     logps: LogpsPatch | None = field(default=None, repr=False)
     # the DDP wrapper a grad-enabled call bypassed since the last gradient averaging (see _trl_ddp)
     bypassed_ddp: object = field(default=None, repr=False)
+    # under FSDP: keeps the processes' model calls in step (see _trl_fsdp); None otherwise
+    lockstep: Lockstep | None = field(default=None, repr=False)
 
     def tolerance(self, model) -> tuple[float, float]:
         if self.self_check_tolerance is not None:
@@ -115,7 +120,7 @@ def patch_grpo_trainer(
     Raises:
         UnsupportedModelError: the policy or reference model cannot take the shared path.
         NotImplementedError: the trainer adds the MoE router aux loss (``aux_loss_enabled``; either mode), or
-            ``mode="chunked"`` under DeepSpeed, FSDP or Megatron, with a LOMO
+            ``mode="chunked"`` under DeepSpeed, FSDP1 or Megatron, with a LOMO
             optimizer, or a trainer subclass that overrides ``_compute_loss``.
         ValueError / TypeError: bad options, or not a GRPOTrainer, or already patched.
     """
@@ -143,6 +148,7 @@ def patch_grpo_trainer(
         backend=backend,
         generations_per_chunk=generations_per_chunk,
         self_check_tolerance=self_check_tolerance,
+        lockstep=make_lockstep(trainer),
     )
     # Prepare the models now (attention function, head proxy, one head check per class): unsupported models fail
     # here, and the float32 head shim needs the proxy in place.
@@ -200,15 +206,26 @@ def _check_no_aux_loss(trainer) -> None:
     )
 
 
+def _fsdp_version(accelerator) -> int | None:
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    return getattr(plugin, "fsdp_version", 1) if plugin is not None else None
+
+
 def _check_chunked_supported(trainer) -> None:
     """Refuse configurations the chunked step cannot reproduce exactly, with the reason."""
     from accelerate.utils import DistributedType
 
-    kind = trainer.accelerator.distributed_type
-    if kind in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM):
+    accelerator = trainer.accelerator
+    kind = accelerator.distributed_type
+    if kind == DistributedType.FSDP and _fsdp_version(accelerator) != 2:
         raise NotImplementedError(
-            f"mode='chunked' does not support {kind}: its engine steps or reduce-scatters per backward call, and "
-            "chunked backward calls backward several times per micro-batch. Use mode='logps'."
+            "mode='chunked' supports accelerate's FSDP2 (fsdp_version=2) only; FSDP1 is untested with several "
+            "backward calls per micro-batch. Use fsdp_version=2, or mode='logps'."
+        )
+    if kind in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        raise NotImplementedError(
+            f"mode='chunked' does not support {kind}: its engine steps or reduces per backward call, and chunked "
+            "backward calls backward several times per micro-batch. Use mode='logps'."
         )
     missing = [name for name in REQUIRED_TRAINER_ATTRIBUTES if not hasattr(trainer, name)]
     missing += [f"args.{name}" for name in REQUIRED_ARGS if not hasattr(trainer.args, name)]

@@ -11,16 +11,10 @@ from shared_prefix_logps.attention import masked_attention
 from shared_prefix_logps.model_support import SUPPORTED_MODEL_TYPES, UnsupportedModelError
 
 # Eager flex_attention on CPU warns that it is unfused; that is expected here.
-pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The models are tiny: one thread is as fast, and much faster when other processes compete for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 
 
 @pytest.fixture(autouse=True)

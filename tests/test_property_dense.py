@@ -23,7 +23,10 @@ from tiny_models import VOCAB, build_model
 from shared_prefix_logps import LogpsOutput, chunked_backward, compute_logps, compute_logps_concatenated, model_support
 
 # Eager flex_attention on CPU warns that it is unfused; that is expected here.
-pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
 
 # Rotary (llama), attention bias and tied head (qwen2), sliding window shorter than the rows (mistral), attention
 # and final softcaps with a window (gemma2).
@@ -240,15 +243,6 @@ def head_chunk_rows_set_to(rows):
         yield
     finally:
         model_support.HEAD_CHUNK_ROWS = saved
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The models are tiny: one thread is as fast, and much faster when other processes compete for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 COMMON_SETTINGS = dict(

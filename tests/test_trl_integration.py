@@ -32,6 +32,8 @@ from shared_prefix_logps.integrations.trl import (  # noqa: E402
     unpatch_grpo_trainer,
 )
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 # Each configuration runs 3 optimizer steps. Together they cover: beta > 0 with a separate reference model loaded
 # from a path, beta > 0 with PEFT (reference = disabled adapter), temperature != 1, entropy masking
 # (top_entropy_quantile < 1), entropy bonus, num_generations > per-device batch (groups split over micro-batches),
@@ -56,15 +58,6 @@ CONFIGS = {
 }
 GENERATIONS_PER_CHUNK = {"ref_entropy_mask": 1, "peft_ref_entropy_bonus": 1, "bnpo_two_iterations": 2}
 TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The model is tiny: one thread is as fast, and much faster when other processes compete for the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

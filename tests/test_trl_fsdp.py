@@ -212,3 +212,26 @@ def test_chunked_mode_refuses_fsdp1_deepspeed_and_megatron():
             _check_chunked_supported(trainer(kind))
     with pytest.raises(NotImplementedError, match="lacks"):  # FSDP2 passes the engine check
         _check_chunked_supported(trainer(DistributedType.FSDP, fsdp_version=2))
+
+
+def test_both_modes_refuse_deepspeed_zero3():
+    """Under ZeRO-3 two patched CPU processes hung in the first backward (per-module gathers out of step): the patch
+    refuses it by name instead; other ZeRO stages and other engines pass this check."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from shared_prefix_logps.integrations.trl import _check_not_zero3
+
+    def trainer(kind, stage=None):
+        plugin = None if stage is None else SimpleNamespace(zero_stage=stage)
+        return SimpleNamespace(
+            accelerator=SimpleNamespace(distributed_type=kind, state=SimpleNamespace(deepspeed_plugin=plugin))
+        )
+
+    with pytest.raises(NotImplementedError, match="ZeRO-3"):
+        _check_not_zero3(trainer(DistributedType.DEEPSPEED, stage=3))
+    for stage in (0, 1, 2):
+        _check_not_zero3(trainer(DistributedType.DEEPSPEED, stage=stage))
+    _check_not_zero3(trainer(DistributedType.FSDP))
+    _check_not_zero3(trainer(DistributedType.NO))

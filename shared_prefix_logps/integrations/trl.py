@@ -21,8 +21,9 @@ Distributed: ``mode="logps"`` calls the wrapped model as TRL does; under DDP, DD
 optimizer step, after the backward that ends the accumulation window (``_trl_ddp``). Under accelerate's FSDP both
 modes call the sharded model, FSDP gathers and reduce-scatters as usual, and the processes are kept making the same
 model calls whatever their rows (``_trl_fsdp``); tested with FSDP2, and ``mode="chunked"`` refuses FSDP1. Under
-DeepSpeed ``mode="logps"`` calls the wrapped model as TRL does (untested; under ZeRO-3 processes whose no-grad calls
-forward a different number of times would fall out of step) and ``mode="chunked"`` refuses it, as it refuses Megatron.
+DeepSpeed ZeRO-3 both modes refuse (its per-module parameter gathers fell out of step between processes and hung);
+under ZeRO-0/1/2 ``mode="logps"`` calls the wrapped model as TRL does (untested) and ``mode="chunked"`` refuses it,
+as it refuses Megatron.
 """
 
 from __future__ import annotations
@@ -138,6 +139,7 @@ def patch_grpo_trainer(
     if getattr(trainer, _PATCH_ATTRIBUTE, None) is not None:
         raise ValueError("this trainer is patched already; call unpatch_grpo_trainer(trainer) first")
     _check_no_aux_loss(trainer)
+    _check_not_zero3(trainer)
     if mode == "chunked":
         _check_chunked_supported(trainer)
 
@@ -186,6 +188,27 @@ def unpatch_grpo_trainer(trainer) -> None:
     for lm_head in patch.fp32_heads:
         remove_fp32_head(lm_head)
     delattr(trainer, _PATCH_ATTRIBUTE)
+
+
+def _check_not_zero3(trainer) -> None:
+    """Refuse DeepSpeed ZeRO-3 (either mode): its parameter gathers pair up between processes submodule by
+    submodule, and the patched trainer's forwards were seen to gather for different submodules on different processes
+    (no lm_head gather in some no-grad forwards), so two CPU processes hung in the first backward. A refusal is better
+    than a hang; the core's own calls under ZeRO-3 are tested (tests/test_deepspeed.py)."""
+    try:
+        from accelerate.utils import DistributedType
+    except ImportError:  # pragma: no cover - TRL needs accelerate
+        return
+    accelerator = trainer.accelerator
+    if accelerator.distributed_type != DistributedType.DEEPSPEED:
+        return
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is not None and getattr(plugin, "zero_stage", None) == 3:
+        raise NotImplementedError(
+            "patch_grpo_trainer does not support DeepSpeed ZeRO-3 yet: the patched trainer's processes can fall out "
+            "of step in ZeRO-3's per-module parameter gathers and hang. Use ZeRO-2 or FSDP2, or leave the trainer "
+            "unpatched."
+        )
 
 
 def _check_no_aux_loss(trainer) -> None:

@@ -127,9 +127,9 @@ def shared_prefix_attention(module, query, key, value, attention_mask, **kwargs)
             # An activation-checkpoint recomputation during backward: the first recording is the one Phase 2 built
             # its graph on; the recomputed keys/values only refill that graph's saved tensors.
             return output, None
-        context.kv[module] = (key, value)
         box = context.routes[module] = RouteBox()
-        # The keys/values leave the layer on its output, so wrappers see their gradient arrive there.
+        # The keys/values leave the layer on its output, so wrappers see their gradient arrive there; capture_prefix
+        # releases them into ``context.kv`` after the forward.
         return attach(output, box, key, value), None
     if isinstance(context, SharedContext):
         if context.packed:
@@ -146,7 +146,7 @@ def _check_single_call(module, context) -> None:
     """
     if context.finished:
         return
-    seen = context.kv if isinstance(context, CaptureContext) else context.called
+    seen = context.routes if isinstance(context, CaptureContext) else context.called
     if module in seen:
         raise ValueError(
             f"attention module {type(module).__name__} ran twice in one forward (the same layer object appears more "

@@ -72,7 +72,6 @@ def chunked_backward(
     if not torch.is_grad_enabled():
         raise RuntimeError("chunked_backward runs backward passes; call it with gradients enabled")
     backward = _backward_driver(model)
-    _refuse_fsdp1(model)
     prepared = prepare_model(model)
     batch = group_batch(prompts, completions, prompt_mask, completion_mask, model=prepared)
     rows, length = batch.completion_ids.shape
@@ -174,7 +173,8 @@ def _backward_through_prompt(backward, capture: CaptureContext, leaves: CaptureC
 
 
 def _backward_driver(model: nn.Module):
-    """How this call runs its backward passes: plain autograd, or through a DeepSpeed engine."""
+    """How this call runs its backward passes: plain autograd, or through a DeepSpeed engine; refused for FSDP1."""
+    _refuse_fsdp1(model)
     deepspeed = sys.modules.get("deepspeed")
     engine_type = getattr(deepspeed, "DeepSpeedEngine", None) if deepspeed is not None else None
     if engine_type is not None and isinstance(model, engine_type):

@@ -34,10 +34,10 @@ class CaptureContext:
         positions: (num_prompts, prefix_len) int64 position of each prefix token ((1, total) when packed).
         needs_grad: whether the caller expects gradients through the captured keys/values.
         packed: the layout; when packed, ``segments`` (total,) int64 gives each token's prompt index.
-        kv: attention module -> (key, value), each (rows, num_kv_heads, length, head_dim) in the layout above.
-            While the forward runs they are the raw tensors, each pair riding on its layer's attention output
-            (``routes``); afterwards they are the pairs released from the model's output (see ``routing``).
-        routes: attention module -> :class:`~shared_prefix_logps.routing.RouteBox` of its (key, value).
+        kv: attention module -> (key, value), each (rows, num_kv_heads, length, head_dim) in the layout above,
+            filled after the forward with the pairs released from the model's output (see ``routing``).
+        routes: attention module -> :class:`~shared_prefix_logps.routing.RouteBox` of its raw (key, value), which
+            ride on the layer's attention output during the forward (one entry per layer that ran).
         masks: attention masks built once per phase, keyed by their kind and sliding window.
         finished: set once the phase's forward has returned; attention calls after that are activation-checkpoint
             recomputations during backward.

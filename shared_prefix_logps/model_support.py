@@ -2,8 +2,10 @@
 
 Preparing a model (idempotent, once per model) does three things, all pass-through for ordinary forwards:
 
-1. registers :func:`~shared_prefix_logps.attention.shared_prefix_attention` with transformers' attention and mask
-   interfaces and selects it, remembering the model's original implementation for calls without a phase context;
+1. routes the phases' attention to :func:`~shared_prefix_logps.attention.shared_prefix_attention`: a registry
+   implementation (sdpa, flash, flex_attention, hub kernels) keeps its name and its registry entries are wrapped to
+   divert only calls carrying a phase context; an eager model is switched to a registered name that encodes "eager"
+   and falls back to the model's own eager function without a phase context;
 2. swaps the lm_head's ``forward`` on the instance for a proxy (module hooks of FSDP/ZeRO still fire around it);
 3. checks, per model instance and again whenever the head, its hooks, its PEFT wrapping or the logit settings
    change, that the fused head reproduces the model's own logits (unknown logit post-processing must never pass
@@ -12,7 +14,6 @@ Preparing a model (idempotent, once per model) does three things, all pass-throu
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import types
 from dataclasses import dataclass
@@ -300,12 +301,15 @@ def _intercepting_mask(original):
         return original
 
     def build(*args, **kwargs):
-        if isinstance(active_context(), (CaptureContext, SharedContext)):
-            return None
-        return original(*args, **kwargs)
+        return None if _in_phase() else original(*args, **kwargs)
 
     build._shared_prefix_original = original
     return build
+
+
+def _in_phase() -> bool:
+    """Whether a prompt or completion pass is running (not a plain forward, nor the head check's forward)."""
+    return isinstance(active_context(), (CaptureContext, SharedContext))
 
 
 def _register(attention_interface, mask_interface, name: str) -> None:
@@ -319,7 +323,7 @@ def _shared_prefix_mask(*args, config=None, **kwargs):
     Inside a phase the attention function builds its own masks from the context, so transformers builds none
     (no rows x keys tensor); outside a phase the original implementation's mask builder runs.
     """
-    if isinstance(active_context(), (CaptureContext, SharedContext)):
+    if _in_phase():
         return None
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
@@ -404,19 +408,6 @@ def _head_signature(prepared: PreparedModel) -> tuple:
     return (id(lm_head), head_state(lm_head), tuple(hooks), global_hooks, spec.scale, spec.softcap)
 
 
-def _gathered_outside_engine(module: nn.Module):
-    """ZeRO-3 parameters partitioned outside an engine (``deepspeed.zero.Init``, as transformers loads a model under
-    a ZeRO-3 config, before ``deepspeed.initialize`` installs the hooks that gather them in each forward) are empty
-    tensors: gather them for the block (a collective, as the engine's own forward would be). A module an engine has
-    registered (its modules carry ``ds_id``) gathers its parameters itself."""
-    params = [param for param in module.parameters() if hasattr(param, "ds_id")]
-    if not params or hasattr(module, "ds_id"):
-        return contextlib.nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(params)
-
-
 def _verify_head(prepared: PreparedModel) -> None:
     """Compare the fused head's logits with the model's own on a few tokens, inside one ordinary forward of the
     outermost module; raise if they differ."""
@@ -428,7 +419,7 @@ def _verify_head(prepared: PreparedModel) -> None:
     positions = torch.arange(ids.shape[1], device=prepared.device)[None]
     attend = CaptureContext(key_valid=torch.ones_like(ids, dtype=torch.bool), positions=positions, needs_grad=False)
     try:
-        with torch.no_grad(), _gathered_outside_engine(prepared.causal_lm), activated(check):
+        with torch.no_grad(), activated(check):
             output = prepared.outer(
                 input_ids=ids, position_ids=positions, use_cache=False, **{CONTEXT_KWARG: PhaseHandle(attend)}
             )

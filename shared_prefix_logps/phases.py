@@ -54,9 +54,9 @@ def capture_prefix(
         context = CaptureContext(key_valid=prefix_mask, positions=positions, needs_grad=needs_grad)
         input_ids = prefix_ids
     output = _forward(prepared, input_ids, context.positions, context)
-    if not context.kv:
+    if not context.routes:
         raise ValueError(f"{type(prepared.causal_lm).__name__} ran no attention layer through the shared-prefix path")
-    modules = list(context.kv)
+    modules = list(context.routes)
     released = release(output, [context.routes[module] for module in modules])
     context.kv = {module: (released[2 * i], released[2 * i + 1]) for i, module in enumerate(modules)}
     return context

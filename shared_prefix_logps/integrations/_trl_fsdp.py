@@ -81,23 +81,14 @@ class Lockstep:
 
 
 def make_lockstep(trainer) -> Lockstep | None:
-    """A :class:`Lockstep` when the trainer's models are sharded so that every forward is a collective: FSDP
-    (accelerate's ``DistributedType.FSDP``) or DeepSpeed ZeRO-3 (each module's forward gathers its partitioned
-    parameters); else None (DDP, ZeRO-1/2: forwards are local, only the backward's reduction is collective)."""
+    """A :class:`Lockstep` when the trainer's models are sharded by FSDP (accelerate's ``DistributedType.FSDP``), so
+    that every forward is a collective; else None (DDP: forwards are local, only the backward's reduction is
+    collective). DeepSpeed ZeRO-3, where forwards are collectives too, is refused by the plug-in before this runs."""
     from accelerate.utils import DistributedType
 
-    accelerator = trainer.accelerator
-    if not dist.is_initialized():
+    if not dist.is_initialized() or trainer.accelerator.distributed_type != DistributedType.FSDP:
         return None
-    kind = accelerator.distributed_type
-    if kind == DistributedType.FSDP or (kind == DistributedType.DEEPSPEED and _zero_stage(accelerator) == 3):
-        return Lockstep(accelerator.device)
-    return None
-
-
-def _zero_stage(accelerator) -> int | None:
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    return None if plugin is None else getattr(plugin, "zero_stage", None)
+    return Lockstep(trainer.accelerator.device)
 
 
 def padded_groups(lockstep: Lockstep, prompt_ids, prompt_mask, completion_ids, completion_mask):

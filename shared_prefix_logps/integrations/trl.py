@@ -203,7 +203,7 @@ def _check_not_zero3(trainer) -> None:
     if accelerator.distributed_type != DistributedType.DEEPSPEED:
         return
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is not None and getattr(plugin, "zero_stage", None) == 3:
+    if getattr(plugin, "zero_stage", None) == 3:
         raise NotImplementedError(
             "patch_grpo_trainer does not support DeepSpeed ZeRO-3 yet: the patched trainer's processes can fall out "
             "of step in ZeRO-3's per-module parameter gathers and hang. Use ZeRO-2 or FSDP2, or leave the trainer "

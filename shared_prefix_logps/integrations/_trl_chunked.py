@@ -272,8 +272,7 @@ class ChunkedStep:
         if lockstep is not None and lockstep.any(reason is not None) and reason is None:
             reason = "another process cannot take the chunked path (FSDP: all processes fall back together)"
         if reason is not None:
-            stats = self.patch.stats
-            stats.fallback_reasons[f"chunked: {reason}"] = stats.fallback_reasons.get(f"chunked: {reason}", 0) + 1
+            self.patch.stats.count_fallback(f"chunked: {reason}")
             self.patch.warn(f"shared_prefix_logps: chunked backward not used for this micro-batch: {reason}")
             return self.previous_compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
@@ -331,7 +330,7 @@ class ChunkedStep:
         """Compare the chunked (B, C) log-probs/entropies with TRL's own, once, on a micro-batch with a valid token
         (with none, the comparison would cover nothing and is postponed)."""
         if not bool(valid.any()):
-            self._record_trivial("chunked logps (no valid token)")
+            self.patch.stats.count_trivial_check("chunked logps (no valid token)")
             return
         self.logps_checked = True
         if dropout_active(model):
@@ -341,10 +340,6 @@ class ChunkedStep:
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         reference = self._original_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
         self.logps_patch.check_result("chunked logps (grad)", logps, entropies, reference, valid)
-
-    def _record_trivial(self, what: str) -> None:
-        trivial = self.patch.stats.trivial_self_checks
-        trivial[what] = trivial.get(what, 0) + 1
 
     def _entropy_mask(self, model, forward_model, inputs, loss_mask) -> torch.Tensor:
         """TRL's high-entropy mask of the micro-batch, from one scoring pass without gradient.
@@ -497,7 +492,7 @@ class ChunkedStep:
         setting would pass, so the check waits for a later micro-batch."""
         trl_grads = torch.autograd.grad(trl_loss, [leaf_logps, leaf_entropies], allow_unused=True)
         if not any(grad is not None and bool((grad != 0).any()) for grad in trl_grads):
-            self._record_trivial("chunked loss gradient (TRL's gradient is zero)")
+            self.patch.stats.count_trivial_check("chunked loss gradient (TRL's gradient is zero)")
             return False
         logps = leaf_logps.detach().clone().requires_grad_(True)
         entropies = leaf_entropies.detach().clone().requires_grad_(True)

@@ -98,8 +98,7 @@ class LogpsPatch:
                 if not bool(out.mask.any()):
                     # Every completion token masked: the comparison would cover nothing; the next call of this kind
                     # does it.
-                    trivial = stats.trivial_self_checks
-                    trivial[f"{key} (no valid token)"] = trivial.get(f"{key} (no valid token)", 0) + 1
+                    stats.count_trivial_check(f"{key} (no valid token)")
                 else:
                     self.checked.add(key)
                     self.self_check(
@@ -143,7 +142,7 @@ class LogpsPatch:
     def fallback(self, reason, *args, **kwargs):
         stats = self.patch.stats
         stats.fallback_calls += 1
-        stats.fallback_reasons[reason] = stats.fallback_reasons.get(reason, 0) + 1
+        stats.count_fallback(reason)
         self.patch.warn(f"shared_prefix_logps: falling back to TRL's own log-prob computation: {reason}")
         return self.original(*args, **kwargs)
 

@@ -75,6 +75,14 @@ class PatchStats:
     trivial_self_checks: dict[str, int] = field(default_factory=dict)
     max_loss_discrepancy: float = 0.0
 
+    def count_fallback(self, reason: str) -> None:
+        """One more call or micro-batch that went to TRL's own path for ``reason``."""
+        self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
+
+    def count_trivial_check(self, what: str) -> None:
+        """One more self-check ``what`` postponed because its batch would have compared nothing."""
+        self.trivial_self_checks[what] = self.trivial_self_checks.get(what, 0) + 1
+
     def record_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> None:
         """Count rows, distinct prompts and real tokens of one trainer-shaped batch ``(N, P + C)``."""
         split = input_ids.shape[1] - logits_to_keep

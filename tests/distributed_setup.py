@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import torch
@@ -30,3 +31,15 @@ def concatenated(prompts, prompt_mask, completions, completion_mask):
     rows = torch.cat([prompts.repeat_interleave(GENERATIONS, 0), completions], dim=1)
     mask = torch.cat([prompt_mask.repeat_interleave(GENERATIONS, 0), completion_mask], dim=1)
     return rows, mask
+
+
+def set_rank_environment(rank: int, port: int, world_size: int = 2) -> None:
+    """The environment variables torch.distributed and accelerate read to join a process group on the loopback."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )

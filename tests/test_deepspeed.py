@@ -10,12 +10,10 @@ step) with the mean of the dense gradients over ranks and micro-batches (what Ze
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.multiprocessing as mp
-from distributed_setup import GENERATIONS, concatenated, free_port, weighted_loss
+from distributed_setup import GENERATIONS, concatenated, free_port, set_rank_environment, weighted_loss
 from tiny_models import build_model, make_batch, randomize_lora
 
 from shared_prefix_logps import chunked_backward, compute_logps, compute_logps_concatenated
@@ -62,14 +60,7 @@ def _full_grads(engine, names) -> dict:
 
 
 def _worker(rank, port, results, stage, family, tied, lora, accumulation):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_WORLD_SIZE="2",
-    )
+    set_rank_environment(rank, port)
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     try:

@@ -11,7 +11,6 @@ accumulation (``set_requires_gradient_sync``), FSDP2 gradient clipping and the o
 from __future__ import annotations
 
 import faulthandler
-import os
 import socket
 
 import pytest
@@ -22,6 +21,7 @@ from torch.distributed.tensor import DTensor
 
 pytest.importorskip("trl")
 
+from distributed_setup import set_rank_environment  # noqa: E402
 from trl_tiny import make_trainer, record_training, scripted_generate  # noqa: E402
 
 from shared_prefix_logps.integrations.trl import patch_grpo_trainer  # noqa: E402
@@ -55,14 +55,7 @@ def _let_accelerate_shard_on_cpu():
 
 def _worker(rank, port, path, results):
     """One of two gloo processes: unpatched, logps and chunked runs of the same FSDP2 trainer, one after the other."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE="2",
-    )
+    set_rank_environment(rank, port)
     # A process left waiting for a collective dies with its stack instead of hanging the test (a run takes seconds)
     faulthandler.dump_traceback_later(300, exit=True)
     torch.set_num_threads(1)

@@ -22,6 +22,7 @@ if version("trl").startswith("1.15.") and not torch.cuda.is_available() and os.e
         allow_module_level=True,
     )
 
+from distributed_setup import set_rank_environment  # noqa: E402
 from trl_tiny import make_trainer, record_training, scripted_generate  # noqa: E402
 
 from shared_prefix_logps.integrations import _trl_chunked, _trl_ddp, _trl_utils  # noqa: E402
@@ -314,16 +315,7 @@ def test_regroup_rows_makes_consecutive_groups_from_shuffled_partial_ones():
 
 def _ddp_worker(rank, port, path, results):
     """One of two gloo processes: unpatched, logps and chunked runs of the same trainer, one after the other."""
-    import os
-
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE="2",
-    )
+    set_rank_environment(rank, port)
     torch.set_num_threads(1)
     config = dict(
         per_device_train_batch_size=4,

@@ -29,11 +29,10 @@ dr_grpo            ``S_i,t loss_it / (N_seq * L)``     ``S_i,t loss_it / (B * L)
 luspo              ``S_i,t loss_it / N_seq``           ``mean_i (S_t loss_it) / GA``
 =================  ==================================  ===============================================================
 
-On one un-split batch (GA = 1, one process, counts = that batch's counts) both columns are equal; ``trl_grpo_loss``
-transcribes TRL's own formula, including its per-micro-batch normalizers, so tests can check that, and
-``trl_micro_batch_counts`` gives the counts under which ``grpo_loss`` reproduces TRL's loss of one micro-batch
-exactly (e.g. to split that micro-batch into chunks). ``bnpo`` differs from ``dapo`` in TRL only by being normalized
-per micro-batch; made global, it *is* ``dapo``.
+On one un-split batch (GA = 1, one process, counts = that batch's counts) both columns are equal (the tests check it
+against a transcription of TRL's formula); the TRL plug-in's ``micro_batch_counts`` gives the counts under which
+``grpo_loss`` reproduces TRL's loss of one micro-batch exactly (e.g. to split that micro-batch into chunks). ``bnpo``
+differs from ``dapo`` in TRL only by being normalized per micro-batch; made global, it *is* ``dapo``.
 
 Distributed data parallel (DDP, FSDP, DeepSpeed) *averages* gradients over processes. Pass ``num_processes`` = the
 world size and the loss is multiplied by it, so that the averaged gradient is the gradient of the global loss (TRL
@@ -56,8 +55,6 @@ __all__ = [
     "global_token_count",
     "grpo_loss",
     "high_entropy_mask",
-    "trl_grpo_loss",
-    "trl_micro_batch_counts",
 ]
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
@@ -498,188 +495,3 @@ def grpo_loss(
         entropy=entropy_metric,
         **out_metrics,
     )
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# TRL 1.16 reference
-# ---------------------------------------------------------------------------------------------------------------------
-
-
-def trl_micro_batch_counts(
-    completion_mask: torch.Tensor,
-    *,
-    loss_type: str,
-    num_items_in_batch: Count,
-    current_gradient_accumulation_steps: int = 1,
-    steps_per_generation: int = 1,
-    num_processes: int = 1,
-    entropy_mask: torch.Tensor | None = None,
-    training: bool = True,
-) -> dict:
-    """Counts that make ``grpo_loss`` reproduce TRL 1.16's loss for one of its micro-batches, chunk by chunk.
-
-    TRL normalizes per micro-batch (see the module docstring). To split one TRL micro-batch into row chunks (a
-    chunked backward) and still get exactly TRL's micro-batch loss as the sum of the chunk losses, pass the returned
-    dict to ``grpo_loss`` for every chunk (together with the chunk's own tensors). The per-rank loss already carries
-    TRL's ``num_processes`` factor, so the returned ``num_processes`` is 1.
-
-    Args:
-        completion_mask: ``(B, C)`` loss mask of the whole TRL micro-batch (``completion_mask * tool_mask``).
-        loss_type: TRL ``loss_type``.
-        num_items_in_batch: TRL's ``inputs["num_items_in_batch"]`` (valid tokens of the generation batch, all ranks).
-        current_gradient_accumulation_steps, steps_per_generation, num_processes: the trainer's values.
-        entropy_mask: the micro-batch's high-entropy mask when ``top_entropy_quantile < 1`` (for the entropy bonus).
-        training: False for evaluation (TRL divides by neither GA nor ``steps_per_generation`` then).
-
-    Returns:
-        dict with ``num_items_in_batch``, ``num_sequences_in_batch``, ``num_entropy_items_in_batch`` and
-        ``num_processes`` (keyword arguments of ``grpo_loss``).
-    """
-    if loss_type not in LOSS_TYPES:
-        raise ValueError(f"unknown loss_type {loss_type!r}; expected one of {LOSS_TYPES}")
-    ga = current_gradient_accumulation_steps if training else 1
-    valid = completion_mask != 0
-    local_tokens = valid.sum()
-    if loss_type == "bnpo":
-        n_tok = local_tokens * ga
-    else:  # dapo/cispo/vespo; unused by the others
-        n_tok = torch.as_tensor(num_items_in_batch).double().clamp(min=1.0) / num_processes
-        if training:
-            n_tok = n_tok * current_gradient_accumulation_steps / steps_per_generation
-    eff = valid if entropy_mask is None else valid & entropy_mask.bool()
-    return {
-        "num_items_in_batch": n_tok,
-        "num_sequences_in_batch": completion_mask.size(0) * ga,
-        # TRL's bonus: mean entropy of the micro-batch's (effective) tokens / GA, whatever the loss type
-        "num_entropy_items_in_batch": eff.sum().clamp(min=1) * ga,
-        "num_processes": 1,
-    }
-
-
-def trl_grpo_loss(
-    per_token_logps: torch.Tensor,
-    old_per_token_logps: torch.Tensor | None,
-    advantages: torch.Tensor,
-    completion_mask: torch.Tensor,
-    *,
-    loss_type: str = "dapo",
-    epsilon_low: float = 0.2,
-    epsilon_high: float = 0.2,
-    delta: float | None = None,
-    beta: float = 0.0,
-    ref_per_token_logps: torch.Tensor | None = None,
-    use_bias_correction_kl: bool = True,
-    importance_sampling_level: str = "token",
-    importance_sampling_ratio: torch.Tensor | None = None,
-    entropies: torch.Tensor | None = None,
-    top_entropy_quantile: float = 1.0,
-    entropy_coef: float = 0.0,
-    off_policy_mask_threshold: float | None = None,
-    sampling_per_token_logps: torch.Tensor | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-    vespo_k_pos: float = 2.0,
-    vespo_lambda_pos: float = 3.0,
-    vespo_k_neg: float = 3.0,
-    vespo_lambda_neg: float = 2.0,
-    max_completion_length: int | None = None,
-    num_items_in_batch: Count | None = None,
-    num_processes: int = 1,
-    current_gradient_accumulation_steps: int = 1,
-    steps_per_generation: int = 1,
-    training: bool = True,
-) -> torch.Tensor:
-    """The loss TRL 1.16 ``GRPOTrainer._compute_loss`` returns for one micro-batch, written out from its source.
-
-    Same math, same per-micro-batch normalizers (``/ current_gradient_accumulation_steps``, the micro-batch's own
-    token count for ``bnpo``, its own row count for ``grpo``/``sapo``/``dr_grpo``/``luspo``, and
-    ``num_items_in_batch / num_processes * GA / steps_per_generation`` for ``dapo``/``cispo``/``vespo``). With the
-    defaults (one un-split batch, one process) it equals ``grpo_loss`` on the same inputs. Single process only: the
-    entropy quantile is taken over this batch. Not covered: the MoE aux loss and the adaptive entropy controller.
-    Deliberately *not* hardened against non-finite values at masked positions, to stay literal.
-
-    Args mirror ``grpo_loss`` and TRL's attributes; ``num_items_in_batch`` is TRL's (global over the generation
-    batch; default: this batch's valid tokens); ``top_entropy_quantile`` < 1 builds the mask from ``entropies``.
-    Returns the 0-dim loss with gradient.
-    """
-    mask = completion_mask.to(per_token_logps.dtype)
-    if old_per_token_logps is None:
-        old_per_token_logps = per_token_logps.detach()
-    if advantages.dim() == 1:
-        advantages = advantages[:, None]
-    if entropies is not None and top_entropy_quantile < 1.0:
-        entropy_mask = high_entropy_mask(entropies, completion_mask, top_entropy_quantile)
-    else:
-        entropy_mask = None
-    if off_policy_mask_threshold is not None:
-        sampled = old_per_token_logps if sampling_per_token_logps is None else sampling_per_token_logps
-        kl_seq = (torch.nan_to_num(sampled - per_token_logps.detach(), nan=0.0) * mask).sum(1, keepdim=True)
-        kl_seq = kl_seq / mask.sum(1, keepdim=True).clamp(min=1.0)
-        off_policy_keep = ((advantages >= 0) | (kl_seq <= off_policy_mask_threshold)).to(mask.dtype)
-
-    log_ratio = per_token_logps - old_per_token_logps
-    if importance_sampling_level == "token":
-        r = torch.exp(log_ratio)
-    else:
-        r = torch.exp(((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0))[:, None])
-
-    if beta != 0.0:
-        d = ref_per_token_logps - per_token_logps
-        kl = torch.exp(d) - d - 1
-        if use_bias_correction_kl:
-            kl = kl * r
-
-    if loss_type == "cispo":
-        ptl = -torch.clamp(r, max=epsilon_high).detach() * advantages * per_token_logps
-    elif loss_type in _CLIPPED_TYPES:
-        r_clip = torch.clamp(r, 1 - epsilon_low, 1 + epsilon_high)
-        if delta is not None:
-            r = torch.clamp(r, max=delta)
-        ptl = -torch.min(r * advantages, r_clip * advantages)
-    elif loss_type == "sapo":
-        t = torch.where(advantages > 0, sapo_temperature_pos, sapo_temperature_neg)
-        ptl = -(torch.sigmoid(t * (r - 1)) * 4 / t) * advantages
-    elif loss_type == "vespo":
-        with torch.no_grad():
-            lo = math.log(1e-8)
-            s = torch.sum(torch.clamp(log_ratio, -20.0, 20.0) * mask, dim=-1, keepdim=True)
-            if importance_sampling_ratio is not None:
-                s = s + torch.sum(torch.clamp(torch.log(importance_sampling_ratio), lo, 20.0), dim=-1, keepdim=True)
-            lw = torch.clamp(s, lo, 20.0)
-            pos = advantages >= 0
-            k = torch.where(pos, vespo_k_pos, vespo_k_neg)
-            lam = torch.where(pos, vespo_lambda_pos, vespo_lambda_neg).clamp(min=1e-4)
-            phi = torch.exp(lam + k * lw - lam * torch.exp(lw)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-        ptl = -phi * advantages * per_token_logps
-    else:
-        raise ValueError(f"unknown loss_type {loss_type!r}")
-
-    if off_policy_mask_threshold is not None:
-        ptl = ptl * off_policy_keep
-    if entropy_mask is not None:
-        ptl = ptl * entropy_mask
-    if importance_sampling_ratio is not None and loss_type != "vespo":
-        ptl = ptl * importance_sampling_ratio
-    if beta != 0.0:
-        ptl = ptl + beta * kl
-
-    ga = current_gradient_accumulation_steps if training else 1.0
-    if loss_type in ("grpo", "sapo"):
-        loss = ((ptl * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean() / ga
-    elif loss_type == "bnpo":
-        loss = (ptl * mask).sum() / mask.sum().clamp(min=1.0) / ga
-    elif loss_type == "dr_grpo":
-        loss = (ptl * mask).sum() / (ptl.size(0) * max_completion_length) / ga
-    elif loss_type == "luspo":
-        loss = (ptl * mask).sum(-1).mean() / ga
-    else:  # dapo, cispo, vespo
-        n = mask.sum() if num_items_in_batch is None else num_items_in_batch
-        n = torch.as_tensor(n, dtype=mask.dtype, device=mask.device).clamp(min=1.0) / num_processes
-        if training:
-            n = n * current_gradient_accumulation_steps / steps_per_generation
-        loss = (ptl * mask).sum() / n
-
-    if entropy_coef != 0.0:
-        eff = mask if entropy_mask is None else mask * entropy_mask
-        loss = loss - entropy_coef * ((entropies * eff).sum() / eff.sum().clamp(min=1.0) / ga)
-    return loss

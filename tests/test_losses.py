@@ -3,7 +3,7 @@
 Three references for every loss type:
   * TRL 1.16's own ``GRPOTrainer._compute_loss``, called unbound on a stand-in ``self`` that provides the attributes it
     reads (no model, no trainer) and returns our tensors from ``_get_per_token_logps_and_entropies``;
-  * ``trl_grpo_loss``, our transcription of the same formula;
+  * ``trl_reference.trl_grpo_loss``, our transcription of the same formula;
   * ``grpo_loss`` on the full batch, which the micro-batch and DDP runs must reproduce (value and gradient).
 Everything is float64 so that 1e-10 tolerances are meaningful.
 """
@@ -21,15 +21,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from trl_reference import trl_grpo_loss
 
+from shared_prefix_logps.integrations.trl.loss import micro_batch_counts as trl_micro_batch_counts
 from shared_prefix_logps.losses import (
     LOSS_TYPES,
     global_sequence_count,
     global_token_count,
     grpo_loss,
     high_entropy_mask,
-    trl_grpo_loss,
-    trl_micro_batch_counts,
 )
 
 TOL = {"atol": 1e-10, "rtol": 1e-10}

@@ -272,7 +272,7 @@ def test_bad_options_and_unsupported_chunked_setups(trainer, tmp_path):
 
 def test_fp32_lm_head_under_bf16_autocast(tmp_path, monkeypatch):
     """``cast_lm_head_to_fp32`` runs TRL's head in float32 outside autocast; the shared path's head must too."""
-    from shared_prefix_logps import head
+    from shared_prefix_logps.kernels import fused_head as head
 
     # transformers 4.x TrainingArguments exports its precision as ACCELERATE_MIXED_PRECISION; without this the
     # variable outlives the test and later trainers (the DDP test's spawned workers too) run under bf16 autocast.

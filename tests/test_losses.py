@@ -650,3 +650,43 @@ def test_options_accept_ints_and_none_where_configs_hold_them():
         grpo_loss_with_options(*_positional(batch), {"loss_type": "dapo"})
     with pytest.raises(ValueError, match="ref_per_token_logps"):
         grpo_loss_with_options(*_positional(batch), GRPOLossOptions(beta=0.1))
+
+
+def test_trl_loss_options_read_every_setting_from_the_trainer():
+    """The TRL plug-in's options carry the trainer's values (none left at a default), the entropy coefficient TRL
+    applies to this micro-batch, and num_processes 1 (TRL's token count carries that factor)."""
+    from shared_prefix_logps.integrations.trl.loss import loss_options
+
+    args = types.SimpleNamespace(
+        delta=1.7,
+        use_bias_correction_kl=False,
+        sapo_temperature_pos=0.9,
+        sapo_temperature_neg=1.2,
+        vespo_k_pos=1.1,
+        vespo_lambda_pos=2.1,
+        vespo_k_neg=3.1,
+        vespo_lambda_neg=4.1,
+        entropy_target=0.5,
+    )
+    trainer = types.SimpleNamespace(
+        args=args,
+        loss_type="sapo",
+        epsilon_low=0.15,
+        epsilon_high=0.3,
+        beta=0.02,
+        importance_sampling_level="sequence",
+        off_policy_mask_threshold=0.4,
+        max_completion_length=33,
+        entropy_coef=0.03,
+        _entropy_bonus_enabled=True,
+        use_adaptive_entropy=True,
+        _last_world_entropy=0.4,  # below the target: the adaptive controller applies the coefficient
+    )
+    options = loss_options(trainer)
+    defaults = GRPOLossOptions()
+    for name in OPTION_NAMES:
+        if name != "num_processes":
+            assert getattr(options, name) != getattr(defaults, name), name
+    assert options.entropy_coef == 0.03 and options.num_processes == 1 and options.delta == 1.7
+    trainer._last_world_entropy = 0.6
+    assert loss_options(trainer).entropy_coef == 0.0

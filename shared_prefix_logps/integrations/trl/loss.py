@@ -1,12 +1,12 @@
 """TRL 1.15/1.16's GRPO loss of one micro-batch as ``grpo_loss`` computes it chunk by chunk: the counts that
-reproduce TRL's per-micro-batch normalizers, the loss settings read from the trainer, and the loss of any subset of
+reproduce TRL's per-micro-batch normalizers, the loss options built from the trainer, and the loss of any subset of
 the micro-batch's rows."""
 
 from __future__ import annotations
 
 import torch
 
-from ...losses import LOSS_TYPES, Count, grpo_loss
+from ...losses import LOSS_TYPES, Count, GRPOLossOptions, grpo_loss_with_options
 
 # Trainer attributes the loss reproduction reads (TRL 1.15 / 1.16 names).
 REQUIRED_TRAINER_ATTRIBUTES = (
@@ -48,10 +48,10 @@ def micro_batch_counts(
 ) -> dict:
     """Counts that make ``grpo_loss`` reproduce TRL 1.16's loss for one of its micro-batches, chunk by chunk.
 
-    TRL normalizes per micro-batch (see the module docstring). To split one TRL micro-batch into row chunks (a
-    chunked backward) and still get exactly TRL's micro-batch loss as the sum of the chunk losses, pass the returned
-    dict to ``grpo_loss`` for every chunk (together with the chunk's own tensors). The per-rank loss already carries
-    TRL's ``num_processes`` factor, so the returned ``num_processes`` is 1.
+    TRL normalizes per micro-batch (the table in ``shared_prefix_logps.losses.aggregation``). To split one TRL
+    micro-batch into row chunks (a chunked backward) and still get exactly TRL's micro-batch loss as the sum of the
+    chunk losses, pass the returned dict to ``grpo_loss`` for every chunk (together with the chunk's own tensors). The
+    per-rank loss already carries TRL's ``num_processes`` factor, so the returned ``num_processes`` is 1.
 
     Args:
         completion_mask: ``(B, C)`` loss mask of the whole TRL micro-batch (``completion_mask * tool_mask``).
@@ -99,10 +99,15 @@ def entropy_coefficient(trainer) -> float:
     return float(trainer.entropy_coef)
 
 
-def loss_settings(trainer) -> dict:
-    """The static ``grpo_loss`` keyword arguments from the trainer's attributes (TRL names in brackets)."""
+def loss_options(trainer) -> GRPOLossOptions:
+    """The loss options of the trainer's next micro-batch, from its attributes and config (same names as TRL's).
+
+    Built once per micro-batch, not once per run: the adaptive entropy controller changes ``entropy_coef`` between
+    optimizer steps (:func:`entropy_coefficient`). ``num_processes`` is 1: TRL's per-rank loss carries the
+    ``num_processes`` factor in its token count already (:func:`micro_batch_counts`).
+    """
     args = trainer.args
-    return dict(
+    return GRPOLossOptions(
         loss_type=trainer.loss_type,
         epsilon_low=trainer.epsilon_low,
         epsilon_high=trainer.epsilon_high,
@@ -118,6 +123,8 @@ def loss_settings(trainer) -> dict:
         vespo_k_neg=args.vespo_k_neg,
         vespo_lambda_neg=args.vespo_lambda_neg,
         max_completion_length=trainer.max_completion_length,
+        entropy_coef=entropy_coefficient(trainer),
+        num_processes=1,
     )
 
 
@@ -126,8 +133,7 @@ class MicroBatchLoss:
     TRL's loss of the whole micro-batch (:func:`micro_batch_counts`)."""
 
     def __init__(self, trainer, inputs, loss_mask, entropy_mask):
-        self.settings = loss_settings(trainer)
-        self.entropy_coef = entropy_coefficient(trainer)
+        self.options = loss_options(trainer)
         self.loss_mask = loss_mask
         self.entropy_mask = entropy_mask
         self.counts = micro_batch_counts(
@@ -157,18 +163,19 @@ class MicroBatchLoss:
         def take(tensor):
             return None if tensor is None else tensor[rows]
 
-        out = grpo_loss(
+        out = grpo_loss_with_options(
             logps,
             take(self.old),
             self.advantages[rows],
             self.loss_mask[rows],
+            self.options,
             ref_per_token_logps=take(self.ref),
             importance_sampling_ratio=take(self.is_ratio),
             sampling_per_token_logps=take(self.sampling),
             entropy_mask=take(self.entropy_mask),
             entropies=entropies,
-            entropy_coef=self.entropy_coef,
-            **self.counts,
-            **self.settings,
+            num_items_in_batch=self.counts["num_items_in_batch"],
+            num_sequences_in_batch=self.counts["num_sequences_in_batch"],
+            num_entropy_items_in_batch=self.counts["num_entropy_items_in_batch"],
         )
         return out.loss

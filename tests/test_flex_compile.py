@@ -164,3 +164,22 @@ def test_below_the_limit_the_same_calls_compile_twice(compiled_on_cpu):
 
     _one_block_then_two(call)
     assert compiled_on_cpu.counts["flex"] == 2
+
+
+def test_lora_on_some_projections_compiles_no_extra_graph(compiled_on_cpu):
+    """LoRA on q/v only: the first layer's keys come from frozen weights and need no gradient while its queries do.
+    Which inputs require grad is a guard; the flex path makes it uniform, so training compiles one graph."""
+    peft = pytest.importorskip("peft")
+    from tiny_models import randomize_lora
+
+    model = peft.get_peft_model(build_model("qwen2"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    randomize_lora(model)
+    for index, shape in enumerate(SHAPES[:3]):
+        prompts, pmask, comps, cmask = make_batch(*shape, seed=index)
+        kwargs = dict(prompt_mask=pmask, completion_mask=cmask)
+        out = compute_logps(model, prompts, comps, backend="flex", **kwargs)
+        dense = compute_logps(model, prompts, comps, backend="dense", **kwargs)
+        grads, expected = parameter_grads(model, weighted_loss(out)), parameter_grads(model, weighted_loss(dense))
+        assert (out.logps - dense.logps).abs().max() <= 1e-5
+        assert max_relative_grad_error(grads, expected) <= 1e-4
+    assert compiled_on_cpu.counts["flex"] == 1, compiled_on_cpu.counts

@@ -276,7 +276,7 @@ def small_qwen2():
 @pytest.mark.parametrize("mode", ["score", "train", "chunked"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_peak_memory_at_16k_prompt_64_generations(backend, mode):
-    from shared_prefix_logps.memory import peak_memory
+    from shared_prefix_logps.bench.memory import peak_memory
 
     model = small_qwen2()
     gen = torch.Generator(device=CUDA).manual_seed(0)

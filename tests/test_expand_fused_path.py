@@ -10,7 +10,8 @@ import torch
 from exactness import compare_with_dense, max_relative_grad_error, parameter_grads, weighted_loss
 from tiny_models import build_model, make_batch
 
-from shared_prefix_logps import attention, chunked_backward, compute_logps
+from shared_prefix_logps import chunked_backward, compute_logps
+from shared_prefix_logps.attention import expand
 from shared_prefix_logps.bench.memory import LiveTensorBytes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture
 def fused_path_on_cpu(monkeypatch):
-    monkeypatch.setattr(attention, "_FUSED_PATH_DEVICES", attention._FUSED_PATH_DEVICES | {"cpu"})
+    monkeypatch.setattr(expand, "_FUSED_PATH_DEVICES", expand._FUSED_PATH_DEVICES | {"cpu"})
 
 
 @pytest.mark.usefixtures("fused_path_on_cpu")
@@ -62,8 +63,8 @@ def test_gathered_attention_in_float64(softcap):
     allowed = torch.rand(n, 1, length, prefix + length, generator=gen) < 0.6
     allowed[..., prefix:] |= torch.eye(length, dtype=torch.bool)  # every query sees at least itself
     options = dict(scaling=0.3, softcap=softcap, dropout=0.0)
-    mask = attention.additive_mask(allowed, torch.float64)
-    ours = attention.gathered_attention(query, prefix_key, prefix_value, key, value, rows, mask, options)
+    mask = expand.additive_mask(allowed, torch.float64)
+    ours = expand.gathered_attention(query, prefix_key, prefix_value, key, value, rows, mask, options)
     keys, values = torch.cat([prefix_key[rows], key], 2), torch.cat([prefix_value[rows], value], 2)
     expected = _reference_attention(query, keys, values, allowed, 0.3, softcap)
     upstream = torch.randn(expected.shape, generator=gen, dtype=torch.float64)
@@ -128,7 +129,7 @@ class SdpaCalls:
 @pytest.mark.parametrize("fused", [False, True])
 def test_one_additive_mask_per_phase_shared_by_every_layer(fused, monkeypatch):
     if fused:
-        monkeypatch.setattr(attention, "_FUSED_PATH_DEVICES", attention._FUSED_PATH_DEVICES | {"cpu"})
+        monkeypatch.setattr(expand, "_FUSED_PATH_DEVICES", expand._FUSED_PATH_DEVICES | {"cpu"})
     spy = SdpaCalls(torch.nn.functional.scaled_dot_product_attention)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     layers = 3
@@ -181,7 +182,7 @@ def test_fused_path_keeps_no_prefix_copy_per_row_for_backward(monkeypatch):
         )
 
     default = growth(16)
-    monkeypatch.setattr(attention, "_FUSED_PATH_DEVICES", attention._FUSED_PATH_DEVICES | {"cpu"})
+    monkeypatch.setattr(expand, "_FUSED_PATH_DEVICES", expand._FUSED_PATH_DEVICES | {"cpu"})
     fused = growth(16)
     kv_heads, head_dim = model.config.num_key_value_heads, model.model.layers[0].self_attn.head_dim
     # Keys and values of 16 more rows per prompt over the prefix (P - 1 tokens) and their own tokens, float32, per

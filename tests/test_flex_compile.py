@@ -15,7 +15,8 @@ import torch
 from exactness import max_relative_grad_error, parameter_grads, weighted_loss
 from tiny_models import build_model, make_batch
 
-from shared_prefix_logps import LogpsOutput, chunked_backward, compute_logps, flex
+from shared_prefix_logps import LogpsOutput, chunked_backward, compute_logps
+from shared_prefix_logps.attention import flex
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),

@@ -15,7 +15,8 @@ import torch
 from exactness import max_relative_grad_error, parameter_grads, weighted_loss
 from tiny_models import build_model, make_batch
 
-from shared_prefix_logps import LogpsOutput, attention, chunked_backward, compute_logps, flex
+from shared_prefix_logps import LogpsOutput, chunked_backward, compute_logps
+from shared_prefix_logps.attention import expand, flex
 
 pytestmark = [
     pytest.mark.gpu,
@@ -164,7 +165,7 @@ def test_bf16_error_within_dense_bf16_error(family, backend, mode):
 def test_expand_runs_without_the_math_kernel(dtype, monkeypatch):
     """With the math kernel removed from the allowed SDPA kernels, expand still runs forward and backward (SDPA
     raises when no allowed kernel takes a call): masked grouped-query attention reaches a fused kernel."""
-    monkeypatch.setattr(attention, "KERNEL_PRIORITY", ("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "CUDNN_ATTENTION"))
+    monkeypatch.setattr(expand, "KERNEL_PRIORITY", ("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "CUDNN_ATTENTION"))
     model = cuda_model("llama", dtype)  # 4 query heads over 2 KV heads
     prompts, pmask, comps, cmask = cuda_batch()
     out = compute_logps(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, backend="expand")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .attention.dense import dense_logps
-from .attention.flex import backward_available, flex_available
+from .backends.dense import dense_logps
+from .backends.flex import backward_available, flex_available
 from .inputs import GroupedBatch, check_options, group_batch, split_concatenated
 from .model_support import PreparedModel, prepare_model
 from .output import LogpsOutput, write_rows

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .api import resolve_attention_backend
-from .context import CaptureContext
+from .forward.context import CaptureContext
 from .inputs import check_options, group_batch
 from .model_support import prepare_model
 from .output import LogpsOutput, write_rows

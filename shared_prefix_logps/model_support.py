@@ -2,7 +2,7 @@
 
 Preparing a model (idempotent, once per model) does three things, all pass-through for ordinary forwards:
 
-1. routes the phases' attention to :func:`~shared_prefix_logps.attention.shared_prefix_attention`: a registry
+1. routes the phases' attention to :func:`~shared_prefix_logps.forward.attention.shared_prefix_attention`: a registry
    implementation (sdpa, flash, flex_attention, hub kernels) keeps its name and its registry entries are wrapped to
    divert only calls carrying a phase context; an eager model is switched to a registered name that encodes "eager"
    and falls back to the model's own eager function without a phase context;
@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import attention
-from .context import (
+from .errors import UnsupportedModelError
+from .forward import attention
+from .forward.context import (
     CONTEXT_KWARG,
     CaptureContext,
     HeadCheckContext,
@@ -31,9 +32,8 @@ from .context import (
     activated,
     active_context,
 )
-from .errors import UnsupportedModelError
+from .forward.routing import RouteBox, attach
 from .head_weights import UnsupportedHeadError, effective_head, head_state
-from .routing import RouteBox, attach
 
 #: Decoder-only families whose attention goes through transformers' AttentionInterface and whose head the library
 #: reproduces; each is covered by the test suite (tests/test_compute_logps.py, tests/test_model_families.py).

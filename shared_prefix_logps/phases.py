@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from .context import CONTEXT_KWARG, CaptureContext, PhaseHandle, SharedContext, activated
+from .forward.context import CONTEXT_KWARG, CaptureContext, PhaseHandle, SharedContext, activated
+from .forward.routing import release
 from .inputs import GroupedBatch
 from .model_support import PreparedModel, force_non_reentrant_checkpointing
 from .output import scatter_valid
-from .routing import release
 
 
 def capture_prefix(

@@ -13,7 +13,8 @@ import torch
 from exactness import parameter_grads, weighted_loss
 from tiny_models import VOCAB, build_model, make_batch
 
-from shared_prefix_logps import attention, compute_logps
+from shared_prefix_logps import compute_logps
+from shared_prefix_logps.forward import attention
 
 NAMES = ["flash_attention_2", "flash_attention_3", "flex_attention"]
 

@@ -11,7 +11,7 @@ from exactness import compare_with_dense, max_relative_grad_error, parameter_gra
 from tiny_models import build_model, make_batch
 
 from shared_prefix_logps import chunked_backward, compute_logps
-from shared_prefix_logps.attention import expand
+from shared_prefix_logps.backends import expand
 from shared_prefix_logps.bench.memory import LiveTensorBytes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

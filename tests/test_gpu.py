@@ -16,7 +16,7 @@ from exactness import max_relative_grad_error, parameter_grads, weighted_loss
 from tiny_models import build_model, make_batch
 
 from shared_prefix_logps import LogpsOutput, chunked_backward, compute_logps
-from shared_prefix_logps.attention import expand, flex
+from shared_prefix_logps.backends import expand, flex
 
 pytestmark = [
     pytest.mark.gpu,

@@ -8,7 +8,7 @@ from exactness import compare_with_dense
 from tiny_models import build_model, make_batch, randomize_lora
 
 from shared_prefix_logps import compute_logps
-from shared_prefix_logps.attention import ReentrantCheckpointError
+from shared_prefix_logps.forward.attention import ReentrantCheckpointError
 
 
 def _batch():

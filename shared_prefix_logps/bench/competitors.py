@@ -107,7 +107,7 @@ def _register_prefix_grouper() -> None:
 
 def _base_implementation(config) -> str:
     """The sdpa/eager implementation behind the model's current one (ours falls back to the original)."""
-    from .. import attention
+    from ..forward import attention
 
     current = config._attn_implementation or "eager"
     if attention.is_shared_prefix_name(current):

@@ -22,7 +22,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from ..context import CaptureContext, SharedContext, cached
+from ..forward.context import CaptureContext, SharedContext, cached
 
 #: Packed lengths are padded up to a multiple of this inside the attention call (also flex's default block size).
 LENGTH_BUCKET = 128

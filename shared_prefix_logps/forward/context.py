@@ -36,7 +36,7 @@ class CaptureContext:
         packed: the layout; when packed, ``segments`` (total,) int64 gives each token's prompt index.
         kv: attention module -> (key, value), each (rows, num_kv_heads, length, head_dim) in the layout above,
             filled after the forward with the pairs released from the model's output (see ``routing``).
-        routes: attention module -> :class:`~shared_prefix_logps.routing.RouteBox` of its raw (key, value), which
+        routes: attention module -> :class:`~.routing.RouteBox` of its raw (key, value), which
             ride on the layer's attention output during the forward (one entry per layer that ran).
         masks: attention masks built once per phase, keyed by their kind and sliding window.
         finished: set once the phase's forward has returned; attention calls after that are activation-checkpoint
@@ -85,7 +85,7 @@ class SharedContext:
         packed: the layout; when packed, ``query_rows`` (num_valid,) int64 gives each query token's row.
         logps / entropy: (num_valid,) float32: written by the lm_head proxy (riding on its output, ``route``), then
             replaced by the ones released from the model's output.
-        route: :class:`~shared_prefix_logps.routing.RouteBox` of the head's results.
+        route: :class:`~shared_prefix_logps.forward.routing.RouteBox` of the head's results.
         masks: attention masks built once per phase, keyed by their kind and sliding window.
         finished: as for :class:`CaptureContext`.
         called: attention modules the phase's forward has run (each may run once).

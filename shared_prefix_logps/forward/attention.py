@@ -7,8 +7,8 @@ transformers calls it from every attention layer with post-RoPE ``query`` (batch
 - :class:`CaptureContext`: Phase 1, causal attention over the left-padded prompts, recording keys/values;
 - :class:`SharedContext`: Phase 2, completion queries over [group prefix ; own tokens causally].
 
-The attention itself is computed by the phase's backend: ``expand.py`` (SDPA over per-row gathered keys) or
-``flex.py`` (packed rows, one ``flex_attention`` call); the ``dense`` backend (``dense.py``) has no phases.
+The attention itself is computed by the phase's backend (``backends/``): ``expand`` (SDPA over per-row gathered
+keys) or ``flex`` (packed rows, one ``flex_attention`` call); the ``dense`` backend has no phases.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import sys
 
 import torch
 
-from ..context import CONTEXT_KWARG, CaptureContext, PhaseHandle, SharedContext
-from ..routing import RouteBox, attach
-from . import expand, flex
+from ..backends import expand, flex
+from .context import CONTEXT_KWARG, CaptureContext, PhaseHandle, SharedContext
+from .routing import RouteBox, attach
 
 #: Prefix of the names under which the function is registered. transformers matches implementation names by substring
 #: ("sdpa", "flash", "flex_attention" switch on special code paths), so none of those may appear in a name.

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from ..context import CaptureContext, SharedContext, cached
+from ..forward.context import CaptureContext, SharedContext, cached
 
 
 def capture_attention(query, key, value, context: CaptureContext, window, options):

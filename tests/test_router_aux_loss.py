@@ -175,3 +175,19 @@ def test_models_without_an_aux_loss_and_the_dense_backend_are_refused():
             compute_logps(build_model(family), prompts, comps, **kwargs)
     with pytest.raises(ValueError, match="dense"):
         compute_logps(build_model("mixtral"), prompts, comps, backend="dense", **kwargs)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_non_reentrant_checkpointing(family):
+    # Recomputed layers record router logits again in backward; the statistics must stay those of the forward.
+    model = build_model(family)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    prompts, pmask, comps, cmask = _batch(3, seed=11)
+    out = compute_logps(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, return_router_stats=True)
+    dense = _dense_aux(model, *_rows(prompts, pmask, comps, cmask))
+    assert float((out.router.aux_loss() - dense).detach().abs()) <= 1e-6
+    ours = parameter_grads(model, weighted_loss(out) + out.router.aux_loss())
+    dense_logps = compute_logps(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, backend="dense")
+    dense = _dense_aux(model, *_rows(prompts, pmask, comps, cmask))
+    assert max_relative_grad_error(ours, parameter_grads(model, weighted_loss(dense_logps) + dense)) <= 1e-4

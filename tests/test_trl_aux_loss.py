@@ -160,3 +160,43 @@ def test_models_without_an_aux_loss_are_refused(tmp_path):
             patch_grpo_trainer(trainer, mode=mode)
     with pytest.raises(AttributeError, match="num_experts"):  # ... and fails on it unpatched
         trainer.train()
+
+
+def _ddp_worker(rank, port, path, results):
+    """One of two gloo processes: unpatched, logps and chunked runs of the same MoE trainer with the aux loss."""
+    from distributed_setup import set_rank_environment
+
+    set_rank_environment(rank, port)
+    torch.set_num_threads(1)
+    for mode in (None, "logps", "chunked"):
+        trainer = _trainer(path, "qwen3_moe", ddp_backend="gloo", max_steps=2)
+        patch = patch_grpo_trainer(trainer, mode=mode) if mode else None
+        run = record_training(trainer)
+        assert type(trainer.model_wrapped).__name__ == "DistributedDataParallel"
+        results[f"{mode}{rank}"] = dict(
+            params=run.params,
+            losses=run.losses,
+            log=[{k: v for k, v in e.items() if k not in TIMING_KEYS} for e in run.log_history],
+            checks=None if patch is None else [c.passed for c in patch.stats.self_checks],
+            fallbacks=None if patch is None else patch.stats.fallback_calls,
+        )
+
+
+def test_two_process_ddp_with_aux_loss_matches_unpatched(tmp_path):
+    """gloo DDP: logps mode calls the DDP-wrapped model (DDP averages the aux gradient with the rest), chunked mode
+    averages after its own backward passes; both must end where unpatched DDP training ends."""
+    import torch.multiprocessing as mp
+    from distributed_setup import free_port
+
+    results = mp.Manager().dict()
+    mp.spawn(_ddp_worker, args=(free_port(), tmp_path, results), nprocs=2, join=True)
+    for rank in range(2):
+        base = results[f"None{rank}"]
+        assert any("aux_loss" in entry for entry in base["log"])
+        for mode in ("logps", "chunked"):
+            run = results[f"{mode}{rank}"]
+            assert run["checks"] and all(run["checks"]) and run["fallbacks"] == 0
+            assert run["losses"] == pytest.approx(base["losses"], rel=1e-4, abs=1e-6)
+            assert _max_param_diff(run["params"], base["params"]) <= 1e-4, mode
+            for entry, base_entry in zip(run["log"], base["log"], strict=True):
+                assert entry == pytest.approx(base_entry, rel=1e-4, abs=1e-6)

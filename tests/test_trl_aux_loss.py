@@ -117,7 +117,7 @@ def test_patched_trainer_with_aux_loss_matches_unpatched(family, mode, baselines
         n: float((run.first_grads[n] - g).norm() / g.norm().clamp(min=1e-30)) for n, g in base.first_grads.items()
     }
     assert max(errors.values()) <= 1e-4, max(errors.items(), key=lambda kv: kv[1])
-    router = [n for n in base.first_grads if n.endswith("mlp.gate.weight") or n.endswith("router.weight")]
+    router = [n for n in base.first_grads if n.endswith((".gate.weight", ".router.weight"))]
     assert router and all(base.first_grads[n].norm() > 0 for n in router)
     assert _max_param_diff(run.params, base.params) <= 1e-4
 
@@ -153,6 +153,10 @@ def test_the_aux_term_moves_the_parameters_beyond_the_tolerance(baselines):
 
 def test_models_without_an_aux_loss_are_refused(tmp_path):
     model = moe_model("glm4_moe")
+    if not hasattr(model.config, "output_router_logits"):
+        pytest.skip(
+            "this transformers' GLM4-MoE config has no output_router_logits: TRL refuses the coefficient itself"
+        )
     trainer = make_trainer(tmp_path, model=model, router_aux_loss_coef=COEF, max_steps=1)
     assert trainer.aux_loss_enabled  # TRL enables it (the config has output_router_logits) ...
     for mode in ("logps", "chunked"):

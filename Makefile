@@ -28,7 +28,8 @@ MIN_TRANSFORMERS := $(shell sed -n 's/^ *"transformers>=\([0-9.]*\)".*/\1/p' pyp
 CORE_TESTS := tests/test_compute_logps.py tests/test_model_guards.py tests/test_model_families.py \
 	tests/test_training_setups.py tests/test_input_errors.py tests/test_flex_and_scoring.py \
 	tests/test_chunked_backward.py tests/test_fsdp.py tests/test_ddp.py tests/test_linear_logps.py \
-	tests/test_logsoftmax_gather.py tests/test_attention_implementations.py tests/test_property_dense.py
+	tests/test_logsoftmax_gather.py tests/test_attention_implementations.py tests/test_property_dense.py \
+	tests/test_router_aux_loss.py
 
 $(MIN_VENV)/.installed: pyproject.toml
 	@test -n "$(MIN_TRANSFORMERS)" || { echo "no transformers>= bound found in pyproject.toml"; exit 1; }

@@ -10,7 +10,8 @@ from .backends.flex import backward_available, flex_available
 from .inputs import GroupedBatch, check_options, group_batch, split_concatenated
 from .model_support import PreparedModel, prepare_model
 from .output import LogpsOutput, write_rows
-from .phases import capture_prefix, score_rows
+from .phases import capture_prefix, score_rows, score_rows_routed
+from .router import RouterStats, router_spec
 from .token_budget import DEFAULT_TOKEN_BUDGET, plan_prompt_batches, plan_row_batches
 
 
@@ -25,6 +26,7 @@ def compute_logps(
     return_entropy: bool = False,
     backend: str = "auto",
     token_budget: int | None = None,
+    return_router_stats: bool = False,
 ) -> LogpsOutput:
     """Per-token log-probs of G completions per prompt, each prompt forwarded once.
 
@@ -47,9 +49,13 @@ def compute_logps(
         token_budget: under ``torch.no_grad()``, the most tokens forwarded at once (prompts per Phase 1 chunk,
             completion rows per Phase 2 chunk; with ``expand`` a row counts its prefix too). Default
             ``DEFAULT_TOKEN_BUDGET``. Ignored when gradients are enabled.
+        return_router_stats: MoE models that compute a router load-balancing loss (Mixtral, Qwen2-MoE, Qwen3-MoE,
+            GPT-OSS): also return each row's router statistics (``out.router``; ``out.router.aux_loss()`` equals
+            the model's own ``aux_loss`` of the full rows, differentiable). Not with ``backend="dense"``.
 
     Returns:
-        :class:`LogpsOutput` with ``logps`` (B*G, C) float32 (0 where masked), ``entropy`` or None, and ``mask``.
+        :class:`LogpsOutput` with ``logps`` (B*G, C) float32 (0 where masked), ``entropy`` or None, ``mask``, and
+        ``router`` (or None).
 
     Raises:
         TypeError / ValueError: naming the offending argument, for malformed or inconsistent inputs.
@@ -65,6 +71,7 @@ def compute_logps(
         return_entropy=return_entropy,
         backend=backend,
         token_budget=token_budget,
+        return_router_stats=return_router_stats,
     )
 
 
@@ -78,6 +85,7 @@ def compute_logps_concatenated(
     return_entropy: bool = False,
     backend: str = "auto",
     token_budget: int | None = None,
+    return_router_stats: bool = False,
 ) -> LogpsOutput:
     """The trainer-shaped entry: rows ``[left-padded prompt | right-padded completion]`` as TRL builds them.
 
@@ -89,7 +97,7 @@ def compute_logps_concatenated(
         attention_mask: (N, L) bool/0-1; its first ``L - logits_to_keep`` columns are the left-padded prompt mask,
             the last ``logits_to_keep`` the right-padded completion mask.
         logits_to_keep: completion length C.
-        temperature, return_entropy, backend, token_budget: as for :func:`compute_logps`.
+        temperature, return_entropy, backend, token_budget, return_router_stats: as for :func:`compute_logps`.
 
     Returns:
         :class:`LogpsOutput` with (N, C) tensors, row i for ``input_ids[i]``.
@@ -104,6 +112,7 @@ def compute_logps_concatenated(
         return_entropy=return_entropy,
         backend=backend,
         token_budget=token_budget,
+        return_router_stats=return_router_stats,
     )
 
 
@@ -134,19 +143,29 @@ def run_batch(
     return_entropy: bool,
     backend: str,
     token_budget: int | None = None,
+    return_router_stats: bool = False,
 ) -> LogpsOutput:
     """Log-probs of a validated batch with the chosen backend, as (rows, C) tensors of the batch's C.
 
     Without gradients the work is split into prompt chunks (Phase 1) and completion chunks (Phase 2) of at most
     ``token_budget`` tokens each, so peak memory does not grow with the number of prompts or with G. With
     gradients everything runs as one graph (see :func:`~shared_prefix_logps.chunked_backward` for bounded memory).
+    With ``return_router_stats`` every row is forwarded, even one without a valid completion token: its prompt's
+    tokens are routed in the dense row all the same.
     """
     backend = resolve_attention_backend(backend, prepared.device)
     temperature = float(temperature)
+    top_k = None
+    if return_router_stats:
+        if backend == "dense":
+            raise ValueError(
+                "return_router_stats needs the shared path; the dense forward returns the model's aux_loss"
+            )
+        num_experts, top_k = router_spec(prepared.causal_lm)
     rows, length = batch.completion_ids.shape
     mask = batch.completion_mask
     nothing_valid = not mask.any()
-    if nothing_valid and not torch.is_grad_enabled():
+    if nothing_valid and not torch.is_grad_enabled() and top_k is None:
         logps = torch.zeros(rows, length, device=batch.completion_ids.device)
         return LogpsOutput(logps, torch.zeros_like(logps) if return_entropy else None, mask)
     if nothing_valid:
@@ -164,20 +183,45 @@ def run_batch(
         return _output(logps, entropy, mask)
     packed = backend == "flex"
     budget = None if torch.is_grad_enabled() else (token_budget or DEFAULT_TOKEN_BUDGET)
+    routed_rows, routed = [], []
     for prompt_indices in plan_prompt_batches(batch.prompt_mask, budget):
         sub, sub_rows = batch.select_prompts(prompt_indices)
-        capture = capture_prefix(prepared, sub.prompt_ids, sub.prompt_mask, packed=packed)
+        capture = capture_prefix(prepared, sub.prompt_ids, sub.prompt_mask, packed=packed, router_top_k=top_k)
         prefix_cost = 0 if packed else sub.prompt_ids.shape[1]
         for local_rows in plan_row_batches(sub.completion_mask, prefix_cost, budget):
             part = sub.select_rows(local_rows)
-            if not part.completion_mask.any() and not nothing_valid:
+            if not part.completion_mask.any() and not nothing_valid and top_k is None:
                 continue  # zeros already; an all-masked batch is forwarded anyway (see above)
-            values = score_rows(
-                prepared, part, capture, temperature=temperature, return_entropy=return_entropy, packed=packed
-            )
+            if top_k is None:
+                values = score_rows(
+                    prepared, part, capture, temperature=temperature, return_entropy=return_entropy, packed=packed
+                )
+            else:
+                *values, stats = score_rows_routed(
+                    prepared,
+                    part.with_one_column(),
+                    capture,
+                    temperature=temperature,
+                    return_entropy=return_entropy,
+                    packed=packed,
+                    router_top_k=top_k,
+                )
+                values = tuple(None if v is None else v[:, : part.completion_ids.shape[1]] for v in values)
+                routed_rows.append(sub_rows[local_rows])
+                routed.append(stats)
             write_rows(logps, entropy, sub_rows[local_rows], values)
         del capture
-    return _output(logps, entropy, mask)
+    out = _output(logps, entropy, mask)
+    if top_k is not None:
+        out.router = _gather_router_stats(routed_rows, routed, num_experts)
+    return out
+
+
+def _gather_router_stats(row_chunks: list[torch.Tensor], stats: list[tuple], num_experts: int) -> RouterStats:
+    """The per-row router statistics of every row, from chunks that cover each row exactly once (differentiably)."""
+    order = torch.argsort(torch.cat(row_chunks))
+    counts, probs, tokens = (torch.cat([chunk[i] for chunk in stats])[order] for i in range(3))
+    return RouterStats(counts, probs, tokens, num_experts)
 
 
 def _output(logps: torch.Tensor, entropy: torch.Tensor | None, mask: torch.Tensor) -> LogpsOutput:

@@ -19,7 +19,8 @@ from .forward.context import CaptureContext
 from .inputs import check_options, group_batch
 from .model_support import prepare_model
 from .output import LogpsOutput, write_rows
-from .phases import capture_prefix, score_rows
+from .phases import capture_prefix, score_rows, score_rows_routed
+from .router import RouterStats, router_spec
 
 
 def chunked_backward(
@@ -34,6 +35,7 @@ def chunked_backward(
     temperature: float = 1.0,
     return_entropy: bool = False,
     backend: str = "auto",
+    return_router_stats: bool = False,
 ) -> LogpsOutput:
     """Run forward and backward of ``loss_fn`` over chunks of generations; parameters' ``.grad`` accumulate.
 
@@ -51,9 +53,15 @@ def chunked_backward(
             the chunk's own, if the sum of chunk losses is to be the batch loss.
         generations_per_chunk: each chunk holds this many generations of every prompt, i.e. rows
             ``g*G + j .. g*G + j + generations_per_chunk - 1`` for every prompt g; 1 <= it <= G.
+        return_router_stats: MoE models (as for :func:`~shared_prefix_logps.compute_logps`): ``chunk_out.router``
+            holds the chunk rows' router statistics over their full rows, differentiable (the prompt's part through
+            a leaf whose gradient goes back through the prompt with its keys/values'). The load-balancing loss is
+            not a sum over chunks; a loss linear in ``chunk_out.router.probs`` is (e.g. ``(w * probs).sum()`` with
+            ``w = num_experts * counts / N**2`` from the whole batch's counts, known beforehand: it has the aux
+            loss's value and gradient, since its counts carry no gradient). Every chunk is forwarded then.
 
     Returns:
-        The detached :class:`LogpsOutput` of all rows, (B*G, C).
+        The detached :class:`LogpsOutput` of all rows, (B*G, C) (with ``router`` when requested).
 
     Notes:
         Each chunk calls ``backward``, and the prompt one more; under DDP wrap the call in ``model.no_sync()`` except
@@ -83,24 +91,32 @@ def chunked_backward(
         raise ValueError(f"generations_per_chunk must be in [1, G={generations}], got {generations_per_chunk}")
     backend = resolve_attention_backend(backend, prepared.device)
     packed = backend == "flex"
+    num_experts, top_k = router_spec(prepared.causal_lm) if return_router_stats else (0, None)
 
-    capture = capture_prefix(prepared, batch.prompt_ids, batch.prompt_mask, packed=packed)
+    capture = capture_prefix(prepared, batch.prompt_ids, batch.prompt_mask, packed=packed, router_top_k=top_k)
     leaves = _detached_capture(capture)
     # Whether a backward through the prompt follows the chunks' (it is then the step's last backward).
-    prompt_backward = capture is not None and any(t.requires_grad for pair in capture.kv.values() for t in pair)
+    prompt_backward = capture is not None and any(t.requires_grad for t in _prompt_results(capture))
     logps = torch.zeros(rows, length, device=batch.completion_ids.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
     starts = torch.arange(num_prompts, device=logps.device) * generations
     # With no valid token anywhere, autograd of the summed losses still gives every parameter a zero gradient (and
     # optimizers such as Adam step on it): the chunks then run anyway so that backward reaches every parameter.
-    score_empty = not batch.completion_mask.any()
+    # (Router statistics count the prompt tokens of rows without a valid completion token too: every chunk runs.)
+    score_empty = not batch.completion_mask.any() or top_k is not None
     firsts = range(0, generations, generations_per_chunk)
+    routed_rows, routed = [], []
     try:
         for first in firsts:
             offsets = torch.arange(first, min(first + generations_per_chunk, generations), device=logps.device)
             chunk_rows = (starts[:, None] + offsets[None, :]).reshape(-1)
             part = batch.select_rows(chunk_rows)
-            chunk_out = _score_chunk(prepared, part, leaves, length, temperature, return_entropy, packed, score_empty)
+            chunk_out = _score_chunk(
+                prepared, part, leaves, length, temperature, return_entropy, packed, score_empty, top_k, num_experts
+            )
+            if top_k is not None:
+                routed_rows.append(chunk_rows)
+                routed.append(chunk_out.router.detach())
             loss = loss_fn(chunk_out, chunk_rows)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError("loss_fn must return a scalar tensor")
@@ -114,7 +130,14 @@ def chunked_backward(
         backward.finish()
     finally:
         backward.close()
-    return LogpsOutput(logps, entropy, batch.completion_mask)
+    out = LogpsOutput(logps, entropy, batch.completion_mask)
+    if top_k is not None:
+        order = torch.argsort(torch.cat(routed_rows))
+        out.router = RouterStats(
+            *(torch.cat([getattr(stats, name) for stats in routed])[order] for name in ("counts", "probs", "tokens")),
+            num_experts,
+        )
+    return out
 
 
 def _detached_capture(capture: CaptureContext | None) -> CaptureContext | None:
@@ -133,42 +156,56 @@ def _detached_capture(capture: CaptureContext | None) -> CaptureContext | None:
             key.detach().requires_grad_(key.requires_grad),
             value.detach().requires_grad_(value.requires_grad),
         )
+    if capture.router is not None:
+        counts, probs, tokens = capture.router
+        leaves.router = (counts, probs.detach().requires_grad_(probs.requires_grad), tokens)
     return leaves
 
 
-def _score_chunk(prepared, part, leaves, length, temperature, return_entropy, packed, score_empty) -> LogpsOutput:
+def _prompt_results(capture: CaptureContext) -> list[torch.Tensor]:
+    """What Phase 1 hands to the chunks, in a fixed order: every layer's key and value, then (when router statistics
+    were requested) the prompts' summed router probabilities."""
+    results = [tensor for pair in capture.kv.values() for tensor in pair]
+    if capture.router is not None:
+        results.append(capture.router[1])
+    return results
+
+
+def _score_chunk(
+    prepared, part, leaves, length, temperature, return_entropy, packed, score_empty, top_k=None, num_experts=0
+) -> LogpsOutput:
     """Phase 2 on one chunk; (rows, C) float32 outputs padded back to the batch's C.
 
     A chunk without a valid token gets plain zeros (no forward) unless ``score_empty``: then it is forwarded too and
     its zeros are connected to the model's graph (Phase 2 forwards at least one masked column per row for that).
+    With ``top_k`` (router statistics) the output carries the chunk rows' :class:`RouterStats`.
     """
     chunk_rows = part.completion_ids.shape[0]
     logps = torch.zeros(chunk_rows, length, device=part.completion_ids.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
+    stats = None
     if score_empty or part.completion_mask.any():
-        values = score_rows(
-            prepared,
-            part.with_one_column(),
-            leaves,
-            temperature=float(temperature),
-            return_entropy=return_entropy,
-            packed=packed,
-        )
+        options = dict(temperature=float(temperature), return_entropy=return_entropy, packed=packed)
+        if top_k is None:
+            values = score_rows(prepared, part.with_one_column(), leaves, **options)
+        else:
+            *values, stats = score_rows_routed(prepared, part.with_one_column(), leaves, router_top_k=top_k, **options)
         values = tuple(None if v is None else v[:, :length] for v in values)  # completions without any column
         write_rows(logps, entropy, torch.arange(chunk_rows, device=logps.device), values)
     mask = torch.zeros(chunk_rows, length, dtype=torch.bool, device=logps.device)
     mask[:, : part.completion_mask.shape[1]] = part.completion_mask
-    return LogpsOutput(logps, entropy, mask)
+    router = None if stats is None else RouterStats(*stats, num_experts)
+    return LogpsOutput(logps, entropy, mask, router)
 
 
 def _backward_through_prompt(backward, capture: CaptureContext, leaves: CaptureContext) -> None:
-    """Send the key/value gradients the chunks accumulated on the leaves back through Phase 1's graph."""
+    """Send the gradients the chunks accumulated on the leaves (keys/values, router probabilities) back through
+    Phase 1's graph."""
     tensors, grads = [], []
-    for module, pair in capture.kv.items():
-        for original, leaf in zip(pair, leaves.kv[module]):
-            if original.requires_grad:
-                tensors.append(original)
-                grads.append(leaf.grad)
+    for original, leaf in zip(_prompt_results(capture), _prompt_results(leaves)):
+        if original.requires_grad:
+            tensors.append(original)
+            grads.append(leaf.grad)
     backward.tensors(tensors, grads)
 
 

@@ -17,11 +17,15 @@ class LogpsOutput:
         entropy: (rows, C) float32 entropy of each position's tempered next-token distribution (0.0 where masked),
             or None when it was not requested.
         mask: (rows, C) bool, True on valid completion tokens.
+        router: MoE models, when requested (``return_router_stats=True``): each row's router statistics over its full
+            row ``[prompt | completion]``, a :class:`~shared_prefix_logps.router.RouterStats`;
+            ``router.aux_loss(rows)`` is the model's own load-balancing ``aux_loss`` of those rows. None otherwise.
     """
 
     logps: torch.Tensor
     entropy: torch.Tensor | None
     mask: torch.Tensor
+    router: object = None
 
     def detach(self) -> LogpsOutput:
         """The same output cut from the autograd graph."""
@@ -29,6 +33,7 @@ class LogpsOutput:
             logps=self.logps.detach(),
             entropy=None if self.entropy is None else self.entropy.detach(),
             mask=self.mask,
+            router=None if self.router is None else self.router.detach(),
         )
 
 

@@ -7,6 +7,11 @@ proxy turns the valid queries' hidden states into log-probs of the completion to
 
 Both phases come in two layouts: ``padded`` (backend ``expand``: rows of the batch as they are) and ``packed``
 (backend ``flex``: the real tokens of all rows back to back in one row, no padding processed).
+
+With ``router_top_k`` set (MoE models, for the router aux loss) both phases also return the model's router logits
+(``output_router_logits=True``: they leave through the model's own output, as in its dense forward) and sum their
+statistics per prompt (Phase 1) and per row (Phase 2, :mod:`~shared_prefix_logps.router`). Phase 2 then forwards
+each row's last completion token too: the dense row routes it, although no log-prob needs its output.
 """
 
 from __future__ import annotations
@@ -18,16 +23,23 @@ from .forward.routing import release
 from .inputs import GroupedBatch
 from .model_support import PreparedModel, force_non_reentrant_checkpointing
 from .output import scatter_valid
+from .router import token_sums
 
 
 def capture_prefix(
-    prepared: PreparedModel, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, packed: bool = False
+    prepared: PreparedModel,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    *,
+    packed: bool = False,
+    router_top_k: int | None = None,
 ) -> CaptureContext | None:
     """Phase 1: forward ``prompt[:, :-1]`` of every prompt once and record each layer's keys/values.
 
     Args:
         prompt_ids, prompt_mask: (num_prompts, P) left-padded prompts.
         packed: use the packed layout (flex backend).
+        router_top_k: also sum the router statistics of each prompt's prefix tokens into ``context.router``.
 
     Returns None when every prompt has a single token (no prefix to share).
     """
@@ -53,7 +65,15 @@ def capture_prefix(
     else:
         context = CaptureContext(key_valid=prefix_mask, positions=positions, needs_grad=needs_grad)
         input_ids = prefix_ids
-    output = _forward(prepared, input_ids, context.positions, context)
+    output, router_logits = _forward(prepared, input_ids, context.positions, context, router=router_top_k is not None)
+    if router_top_k is not None:
+        if packed:
+            token_index = torch.arange(input_ids.shape[1], device=input_ids.device)
+            owner = context.segments
+        else:
+            token_index = prefix_mask.reshape(-1).nonzero().squeeze(1)
+            owner = torch.div(token_index, prefix_mask.shape[1], rounding_mode="floor")
+        context.router = token_sums(router_logits, token_index, owner, prefix_ids.shape[0], router_top_k)
     if not context.routes:
         raise ValueError(f"{type(prepared.causal_lm).__name__} ran no attention layer through the shared-prefix path")
     modules = list(context.routes)
@@ -70,30 +90,41 @@ def score_completions(
     temperature: float,
     return_entropy: bool,
     packed: bool = False,
+    router_top_k: int | None = None,
 ) -> SharedContext:
     """Phase 2: log-probs (and entropy) of every valid completion token; see :class:`SharedContext`.
 
     ``batch.group_index`` indexes the prompts of ``capture``. The returned context's ``logps``/``entropy`` are
-    (num_valid,) float32 in row-major order of ``batch.completion_mask``.
+    (num_valid,) float32 in row-major order of ``batch.completion_mask``. With ``router_top_k`` the rows are
+    forwarded one token longer (their last completion token, attended to by nothing and scored by nothing) and
+    ``context.router`` holds each row's router statistics over its last prompt token and its completion tokens.
     """
-    rows, length = batch.completion_ids.shape
+    rows = batch.completion_ids.shape[0]
     group_index = batch.group_index
     last_prompt_token = batch.prompt_ids[group_index, -1]
-    query_ids = torch.cat([last_prompt_token[:, None], batch.completion_ids[:, :-1]], dim=1)
+    valid = batch.completion_mask
+    # Query i holds the token before completion token i; with routing, one more query holds the last one.
+    following = batch.completion_ids if router_top_k is not None else batch.completion_ids[:, :-1]
+    query_ids = torch.cat([last_prompt_token[:, None], following], dim=1)
+    length = query_ids.shape[1]
     start = batch.prompt_lengths[group_index] - 1
     positions = start[:, None] + torch.arange(length, device=start.device)[None, :]
-    valid = batch.completion_mask
+    routed = None
+    if router_top_k is not None:
+        # Scored: the queries before valid completion tokens; routed: every real token of the dense row.
+        routed = torch.cat([torch.ones_like(valid[:, :1]), valid], dim=1)
+        valid = torch.cat([valid, torch.zeros_like(valid[:, :1])], dim=1)
     common = dict(
         capture=capture,
         group_index=group_index,
-        head_targets=batch.completion_ids[valid],
+        head_targets=batch.completion_ids[batch.completion_mask],
         temperature=temperature,
         return_entropy=return_entropy,
         needs_grad=torch.is_grad_enabled(),
         head_spec=prepared.head,
     )
     if packed:
-        forwarded = _packed_queries(valid)
+        forwarded = _packed_queries(valid) if routed is None else routed
         query_rows = torch.arange(rows, device=valid.device)[:, None].expand_as(valid)[forwarded]
         context = SharedContext(
             positions=positions[forwarded][None],
@@ -106,12 +137,20 @@ def score_completions(
     else:
         context = SharedContext(positions=positions, query_valid=valid, **common)
         input_ids = query_ids
-    output = _forward(prepared, input_ids, context.positions, context)
+    output, router_logits = _forward(prepared, input_ids, context.positions, context, router=routed is not None)
     if context.route is None:
         raise ValueError(f"{type(prepared.causal_lm).__name__} did not call its lm_head inside its forward")
     released = release(output, [context.route])
     context.logps = released[0]
     context.entropy = released[1] if return_entropy else None
+    if routed is not None:
+        if packed:
+            token_index = torch.arange(input_ids.shape[1], device=input_ids.device)
+            owner = context.query_rows
+        else:
+            token_index = routed.reshape(-1).nonzero().squeeze(1)
+            owner = torch.div(token_index, length, rounding_mode="floor")
+        context.router = token_sums(router_logits, token_index, owner, rows, router_top_k)
     return context
 
 
@@ -133,6 +172,38 @@ def score_rows(
     return scatter_valid(scored.logps, mask), scatter_valid(scored.entropy, mask) if return_entropy else None
 
 
+def score_rows_routed(
+    prepared: PreparedModel,
+    batch: GroupedBatch,
+    capture: CaptureContext | None,
+    *,
+    temperature: float,
+    return_entropy: bool,
+    packed: bool = False,
+    router_top_k: int,
+) -> tuple[torch.Tensor, torch.Tensor | None, tuple]:
+    """:func:`score_rows` plus each row's router statistics over its full row ``[prompt | completion]``:
+    ``(counts, probs, tokens)``, (rows, E), (rows, E), (rows,) float32, the prompt's prefix sums (``capture.router``,
+    added to every row of the prompt) plus the row's own Phase 2 sums."""
+    scored = score_completions(
+        prepared,
+        batch,
+        capture,
+        temperature=temperature,
+        return_entropy=return_entropy,
+        packed=packed,
+        router_top_k=router_top_k,
+    )
+    mask = batch.completion_mask
+    counts, probs, tokens = scored.router
+    if capture is not None:
+        prompt_counts, prompt_probs, prompt_tokens = capture.router
+        rows = batch.group_index
+        counts, probs, tokens = counts + prompt_counts[rows], probs + prompt_probs[rows], tokens + prompt_tokens[rows]
+    entropy = scatter_valid(scored.entropy, mask) if return_entropy else None
+    return scatter_valid(scored.logps, mask), entropy, (counts, probs, tokens)
+
+
 def _packed_queries(valid: torch.Tensor) -> torch.Tensor:
     """(rows, C) bool: the query tokens the packed layout forwards, i.e. the valid ones.
 
@@ -147,15 +218,23 @@ def _packed_queries(valid: torch.Tensor) -> torch.Tensor:
     return placeholder
 
 
-def _forward(prepared: PreparedModel, input_ids, position_ids, context) -> torch.Tensor:
-    """One forward of the outermost module in a phase; returns the model's logits output (an empty-vocabulary
-    tensor derived from every result the phase attached)."""
+def _forward(prepared: PreparedModel, input_ids, position_ids, context, *, router: bool = False):
+    """One forward of the outermost module in a phase.
+
+    Returns the model's logits output (an empty-vocabulary tensor derived from every result the phase attached) and,
+    with ``router``, its ``router_logits`` output (one (tokens, E) tensor per MoE layer), else None.
+    """
+    extra = {"output_router_logits": True} if router else {}
     with force_non_reentrant_checkpointing(prepared.causal_lm), activated(context):
         output = prepared.outer(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, **{CONTEXT_KWARG: PhaseHandle(context)}
+            input_ids=input_ids,
+            position_ids=position_ids,
+            use_cache=False,
+            **extra,
+            **{CONTEXT_KWARG: PhaseHandle(context)},
         )
     context.finished = True
     logits = output.logits if hasattr(output, "logits") else output[0]
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"{type(prepared.outer).__name__} returned no logits tensor")
-    return logits
+    return logits, getattr(output, "router_logits", None) if router else None

@@ -41,6 +41,8 @@ class CaptureContext:
         masks: attention masks built once per phase, keyed by their kind and sliding window.
         finished: set once the phase's forward has returned; attention calls after that are activation-checkpoint
             recomputations during backward.
+        router: when router statistics were requested, ``(counts, probs, tokens)`` of each prompt's prefix tokens,
+            (num_prompts, E), (num_prompts, E), (num_prompts,) float32 (see :mod:`~shared_prefix_logps.router`).
     """
 
     key_valid: torch.Tensor
@@ -52,6 +54,7 @@ class CaptureContext:
     routes: dict = field(default_factory=dict)
     masks: dict = field(default_factory=dict)
     finished: bool = False
+    router: tuple | None = None
 
     def kv_of(self, module) -> tuple[torch.Tensor, torch.Tensor]:
         """The (key, value) recorded for attention ``module``; a clear error if Phase 1 never reached it."""
@@ -89,6 +92,8 @@ class SharedContext:
         masks: attention masks built once per phase, keyed by their kind and sliding window.
         finished: as for :class:`CaptureContext`.
         called: attention modules the phase's forward has run (each may run once).
+        router: when router statistics were requested, ``(counts, probs, tokens)`` of each row's Phase 2 tokens (its
+            last prompt token and every real completion token), (rows, E), (rows, E), (rows,) float32.
     """
 
     capture: CaptureContext | None
@@ -108,6 +113,7 @@ class SharedContext:
     masks: dict = field(default_factory=dict)
     finished: bool = False
     called: set = field(default_factory=set)
+    router: tuple | None = None
 
 
 @dataclass(eq=False)

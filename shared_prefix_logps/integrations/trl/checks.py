@@ -26,22 +26,38 @@ def check_not_zero3(trainer) -> None:
         )
 
 
-def check_no_aux_loss(trainer) -> None:
-    """Refuse a trainer that adds the MoE router load-balancing loss to its loss (TRL's ``aux_loss_enabled``).
+def check_aux_loss_supported(trainer) -> None:
+    """Refuse a trainer that adds the MoE router load-balancing loss (TRL's ``aux_loss_enabled``) where the plug-in
+    cannot reproduce it exactly; allow it otherwise (both modes compute it from the shared forward).
 
-    TRL asks for it on every policy forward (``compute_aux_loss=True``). The shared path does not compute it: the
-    dense loss counts each prompt token once per completion row and includes each row's last token, which the
-    shared forward never processes. Patched anyway, ``logps`` mode would hand every policy call back to TRL's
-    full-row forward (sharing nothing where it matters) and ``chunked`` mode would drop the term from the loss.
+    Refused: a policy whose model type computes no aux loss (GLM4-MoE and DeepSeek-V3 return router logits but no
+    ``aux_loss``; TRL 1.16's own fused forward fails on them too, reading ``num_experts`` from a config that has
+    none), and FSDP or DeepSpeed, whose lockstep and engine paths the aux term has not been brought through or
+    tested.
     """
     if not getattr(trainer, "aux_loss_enabled", False):
         return
+    from accelerate.utils import DistributedType
+
+    from ...model_support import unwrap_causal_lm
+    from ...router import AUX_LOSS_MODEL_TYPES
+
     coef = getattr(trainer, "router_aux_loss_coef", None)
-    raise NotImplementedError(
-        f"this GRPOTrainer adds the MoE router aux loss (router_aux_loss_coef={coef}, taken from GRPOConfig or the "
-        "model config, which has output_router_logits), and the shared-prefix path does not compute it. Set "
-        "GRPOConfig(router_aux_loss_coef=0.0) to train without it, or leave the trainer unpatched."
-    )
+    model_type = getattr(unwrap_causal_lm(trainer.model).config, "model_type", None)
+    if model_type not in AUX_LOSS_MODEL_TYPES:
+        raise NotImplementedError(
+            f"this GRPOTrainer adds the MoE router aux loss (router_aux_loss_coef={coef}), but model type "
+            f"{model_type!r} computes none (its forward returns no aux_loss, and TRL's unpatched trainer fails on it "
+            f"too). The plug-in reproduces it for {', '.join(sorted(AUX_LOSS_MODEL_TYPES))}. Set "
+            "GRPOConfig(router_aux_loss_coef=0.0) to train without it."
+        )
+    kind = trainer.accelerator.distributed_type
+    if kind in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        raise NotImplementedError(
+            f"the MoE router aux loss (router_aux_loss_coef={coef}) is reproduced single-process and under DDP only, "
+            f"not under {kind}. Set GRPOConfig(router_aux_loss_coef=0.0) to train without it, or leave the trainer "
+            "unpatched."
+        )
 
 
 def _fsdp_version(accelerator) -> int | None:

@@ -18,6 +18,13 @@ training step calls in between:
 Under FSDP2 the chunked calls go through the sharded model and FSDP reduce-scatters as usual; the micro-batch then
 runs as one ``chunked_backward`` call of a shape all processes agree on, so that they stay in step (``.distributed``).
 
+With the MoE router aux loss (``trainer.aux_loss_enabled``) the loss also holds ``router_aux_loss_coef * aux / GA``,
+where ``aux`` is the load-balancing loss of the micro-batch's full rows. It is not a sum over chunks, but given the
+routing counts it is linear in the router probabilities (``aux = E * counts . probs / N**2``; the counts, from
+top-k, carry no gradient): one no-grad scoring pass (the one that finds the entropy threshold, when there is one)
+gives the counts, and each chunk then adds ``(w * probs).sum()`` with ``w = coef * E * counts / (N**2 * GA)``, the
+prompt's share through its leaf, so the chunk losses sum to TRL's loss and their gradients to its gradient.
+
 The loss gradient is checked against TRL's own (``self_check``): TRL's ``_compute_loss`` is differentiated with
 respect to leaf log-probs/entropies and compared with ``grpo_loss``'s gradient, on the first micro-batch where TRL's
 gradient is not exactly zero (a zero gradient, e.g. every advantage 0, would pass whatever the normalizers; such
@@ -33,6 +40,7 @@ import torch
 
 from ...api import compute_logps_concatenated
 from ...chunked import chunked_backward
+from ...router import RouterStats
 from ..common.ddp import average_gradients, unwrap_ddp
 from ..common.modules import AutocastForward, dropout_active
 from ..common.patching import instance_attribute
@@ -57,8 +65,6 @@ _MULTIMODAL_KEYS = (
 
 def unsupported_reason(trainer, model, inputs) -> str | None:
     """Why this micro-batch cannot take the chunked path (it then runs TRL's own), or None."""
-    if getattr(trainer, "aux_loss_enabled", False):
-        return "MoE router aux loss"
     present = [key for key in _MULTIMODAL_KEYS if inputs.get(key) is not None]
     if present:
         return f"multimodal inputs ({', '.join(present)})"
@@ -151,11 +157,19 @@ class ChunkedStep:
             self.bypassed_ddp = ddp
         forward_model = AutocastForward(inner, accelerator.autocast)
 
-        entropy_mask = None
-        if trainer.top_entropy_quantile < 1.0:
-            entropy_mask = self._entropy_mask(inner, forward_model, inputs, loss_mask)
+        entropy_mask, aux_weight = None, None
+        need_entropy, need_router = trainer.top_entropy_quantile < 1.0, bool(trainer.aux_loss_enabled)
+        if need_entropy or need_router:
+            scored = self._scoring_pass(inner, forward_model, inputs, need_entropy, need_router)
+            if need_entropy:
+                entropy_mask = trainer.get_high_entropy_mask(
+                    scored.entropy, loss_mask, 1 - trainer.top_entropy_quantile
+                )
+            if need_router:
+                aux_weight = aux_loss_weight(trainer, scored.router)
         loss_of_rows = MicroBatchLoss(trainer, inputs, loss_mask, entropy_mask)
-        logps, entropies, total = self._chunked_backward(forward_model, inputs, loss_of_rows)
+        logps, entropies, total, router = self._chunked_backward(forward_model, inputs, loss_of_rows, aux_weight)
+        aux_loss = None if router is None else router.aux_loss()
 
         stats = patch.stats
         stats.chunked_steps += 1
@@ -164,7 +178,7 @@ class ChunkedStep:
             torch.cat([prompt_ids, completion_ids], dim=1), torch.cat([prompt_mask, completion_mask], dim=1), width
         )
         check = patch.self_check and not self.checked
-        trl_loss = self.trl_loss(inner, inputs, logps, entropies, loss_of_rows, check)
+        trl_loss = self.trl_loss(inner, inputs, logps, entropies, loss_of_rows, check, aux_loss)
         discrepancy = abs(float(total) - float(trl_loss)) / max(1.0, abs(float(trl_loss)))
         stats.max_loss_discrepancy = max(stats.max_loss_discrepancy, discrepancy)
         if check and not discrepancy <= 1e-4:
@@ -175,7 +189,7 @@ class ChunkedStep:
         valid = completion_mask != 0
         with self._in_step(inner):  # under FSDP every process enters, whether or not it checks now
             if patch.self_check and not self.logps_checked:
-                self._check_logps(inner, inputs, logps, entropies, valid)
+                self._check_logps(inner, inputs, logps, entropies, valid, aux_loss)
         return trl_loss.detach()
 
     def _in_step(self, model):
@@ -183,9 +197,9 @@ class ChunkedStep:
         lockstep = self.patch.lockstep
         return contextlib.nullcontext() if lockstep is None else lockstep.forwards(model)
 
-    def _check_logps(self, model, inputs, logps, entropies, valid) -> None:
-        """Compare the chunked (B, C) log-probs/entropies with TRL's own, once, on a micro-batch with a valid token
-        (with none, the comparison would cover nothing and is postponed)."""
+    def _check_logps(self, model, inputs, logps, entropies, valid, aux_loss=None) -> None:
+        """Compare the chunked (B, C) log-probs/entropies (and the router aux loss) with TRL's own, once, on a
+        micro-batch with a valid token (with none, the comparison would cover nothing and is postponed)."""
         if not bool(valid.any()):
             self.patch.stats.count_trivial_check("chunked logps (no valid token)")
             return
@@ -195,36 +209,37 @@ class ChunkedStep:
             return
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
-        reference = self._original_logps(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
-        self.logps_patch.check_result("chunked logps (grad)", logps, entropies, reference, valid)
+        reference = self._original_logps(
+            model, prompt_ids, prompt_mask, completion_ids, completion_mask, aux_loss is not None
+        )
+        self.logps_patch.check_result("chunked logps (grad)", logps, entropies, reference, valid, aux_loss=aux_loss)
 
-    def _entropy_mask(self, model, forward_model, inputs, loss_mask) -> torch.Tensor:
-        """TRL's high-entropy mask of the micro-batch, from one scoring pass without gradient.
-
-        TRL's quantile is taken over the whole micro-batch (and all processes) and must be known before the first
-        chunk's loss; the no-grad pass runs in bounded memory (token budget), and TRL's own method does the masking.
-        """
-        trainer = self.patch.trainer
+    def _scoring_pass(self, model, forward_model, inputs, entropy: bool, router: bool):
+        """One no-grad scoring pass over the micro-batch, in bounded memory (token budget): the entropies TRL's
+        high-entropy mask is taken from (its quantile spans the whole micro-batch and all processes) and the routing
+        counts of the aux loss, both needed before the first chunk's loss."""
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         # (under FSDP the scoring's forwards are joined; TRL's masking gathers over processes, outside the join)
         with torch.no_grad(), self._in_step(model):
-            scored = compute_logps_concatenated(
+            return compute_logps_concatenated(
                 forward_model,
                 input_ids,
                 attention_mask,
                 inputs["completion_ids"].shape[1],
-                temperature=float(trainer.temperature),
-                return_entropy=True,
+                temperature=float(self.patch.trainer.temperature),
+                return_entropy=entropy,
                 backend=self.patch.backend,
+                return_router_stats=router,
             )
-        return trainer.get_high_entropy_mask(scored.entropy, loss_mask, 1 - trainer.top_entropy_quantile)
 
-    def _chunked_backward(self, forward_model, inputs, loss_of_rows):
+    def _chunked_backward(self, forward_model, inputs, loss_of_rows, aux_weight=None):
         """``chunked_backward`` once per group size of the micro-batch.
 
-        Returns the detached (B, C) float32 log-probs and entropies of every row, and the float64 sum of the chunk
-        losses (before any loss scaling), which equals TRL's micro-batch loss.
+        ``aux_weight``: (E,) float32 weights of the router probabilities (:func:`aux_loss_weight`), or None without
+        the aux loss. Returns the detached (B, C) float32 log-probs and entropies of every row, the float64 sum of the
+        chunk losses (before any loss scaling), which equals TRL's micro-batch loss, and the rows' detached
+        :class:`RouterStats` (None without the aux loss).
         """
         patch = self.patch
         accelerator = patch.trainer.accelerator
@@ -236,14 +251,20 @@ class ChunkedStep:
         entropies = torch.zeros_like(logps)
         total = torch.zeros((), dtype=torch.float64, device=completion_ids.device)
         if patch.lockstep is not None:
+            if aux_weight is not None:  # refused at patch time (checks.check_aux_loss_supported)
+                raise NotImplementedError("the MoE router aux loss under FSDP")
             total = self._padded_chunked_backward(forward_model, inputs, loss_of_rows, logps, entropies, scale, scaler)
-            return logps, entropies, total
+            return logps, entropies, total, None
+        routed_rows, routed = [], []
         for first_rows, bucket_rows in regroup_rows(prompt_ids, prompt_mask):
             group_size = bucket_rows.numel() // first_rows.numel()
 
             def loss_fn(chunk_out, local_rows, bucket_rows=bucket_rows):
                 nonlocal total
                 loss = loss_of_rows(chunk_out.logps, chunk_out.entropy, bucket_rows[local_rows])
+                if aux_weight is not None:
+                    # This chunk's share of coef * aux / GA, the prompt's part included (through its leaf)
+                    loss = loss + (chunk_out.router.probs * aux_weight).sum()
                 total = total + loss.detach().double()
                 loss = loss * scale
                 return scaler.scale(loss) if scaler is not None else loss
@@ -259,11 +280,22 @@ class ChunkedStep:
                 temperature=float(patch.trainer.temperature),
                 return_entropy=True,
                 backend=patch.backend,
+                return_router_stats=aux_weight is not None,
             )
             logps[bucket_rows] = out.logps
             entropies[bucket_rows] = out.entropy
+            if out.router is not None:
+                routed_rows.append(bucket_rows)
+                routed.append(out.router)
             patch.stats.chunked_calls += 1
-        return logps, entropies, total
+        router = None
+        if routed:
+            order = torch.argsort(torch.cat(routed_rows))
+            fields = (
+                torch.cat([getattr(stats, name) for stats in routed])[order] for name in ("counts", "probs", "tokens")
+            )
+            router = RouterStats(*fields, routed[0].num_experts)
+        return logps, entropies, total, router
 
     def _padded_chunked_backward(self, forward_model, inputs, loss_of_rows, logps, entropies, scale, scaler):
         """FSDP: the micro-batch as one ``chunked_backward`` call whose shape all processes share
@@ -311,19 +343,22 @@ class ChunkedStep:
         patch.stats.chunked_calls += 1
         return total
 
-    def _original_logps(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask):
-        """TRL's own log-probs and entropies of the micro-batch (no gradient), for the self-check."""
+    def _original_logps(self, model, prompt_ids, prompt_mask, completion_ids, completion_mask, aux=False):
+        """TRL's own log-probs and entropies (and aux loss, with ``aux``) of the micro-batch (no gradient), for the
+        self-check."""
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        extra = {"compute_aux_loss": True} if aux else {}
         with torch.no_grad():
             return self.logps_patch.original(
-                model, input_ids, attention_mask, completion_ids.shape[1], compute_entropy=True
+                model, input_ids, attention_mask, completion_ids.shape[1], compute_entropy=True, **extra
             )
 
-    def trl_loss(self, model, inputs, logps, entropies, loss_of_rows, check) -> torch.Tensor:
+    def trl_loss(self, model, inputs, logps, entropies, loss_of_rows, check, aux_loss=None) -> torch.Tensor:
         """TRL's ``_compute_loss`` on our (detached) log-probs: its loss value, and every metric logged once.
 
-        ``_get_per_token_logps_and_entropies`` is stubbed to return the given tensors, so no model runs. With
+        ``_get_per_token_logps_and_entropies`` is stubbed to return the given tensors (and the micro-batch's router aux
+        loss, which TRL then adds and logs as ``aux_loss``), so no model runs. With
         ``check``, the stubbed tensors are leaves and TRL's gradient with respect to them is compared with
         ``grpo_loss``'s (this checks every argument and normalizer the chunked loss takes from the trainer); the check
         counts as done (``self.checked``) only if TRL's gradient was not exactly zero.
@@ -331,7 +366,7 @@ class ChunkedStep:
         trainer = self.patch.trainer
         leaf_logps = logps.detach().clone().requires_grad_(check)
         leaf_entropies = entropies.detach().clone().requires_grad_(check)
-        result = self.logps_patch.pack(leaf_logps, leaf_entropies)
+        result = self.logps_patch.pack(leaf_logps, leaf_entropies, None if aux_loss is None else aux_loss.detach())
 
         def stub(*args, **kwargs):
             return result
@@ -340,13 +375,15 @@ class ChunkedStep:
         with grad_mode, instance_attribute(trainer, "_get_per_token_logps_and_entropies", stub):
             loss = trainer._compute_loss(model, inputs)
         if check:
-            self.checked = self._check_loss_gradient(loss, leaf_logps, leaf_entropies, loss_of_rows)
+            aux_term = 0.0 if aux_loss is None else aux_loss_term(trainer, aux_loss)
+            self.checked = self._check_loss_gradient(loss, leaf_logps, leaf_entropies, loss_of_rows, aux_term)
         return loss.detach()
 
-    def _check_loss_gradient(self, trl_loss, leaf_logps, leaf_entropies, loss_of_rows) -> bool:
+    def _check_loss_gradient(self, trl_loss, leaf_logps, leaf_entropies, loss_of_rows, aux_term=0.0) -> bool:
         """Compare ``grpo_loss``'s gradient with TRL's; raise on mismatch. Returns False, comparing nothing, when TRL's
         gradient is exactly zero (no signal: every advantage 0, or every token masked): then any normalizer or clip
-        setting would pass, so the check waits for a later micro-batch."""
+        setting would pass, so the check waits for a later micro-batch. ``aux_term``: the chunked loss's router aux
+        term (a constant with respect to the log-probs), added to the loss value compared."""
         trl_grads = torch.autograd.grad(trl_loss, [leaf_logps, leaf_entropies], allow_unused=True)
         if not any(grad is not None and bool((grad != 0).any()) for grad in trl_grads):
             self.patch.stats.count_trivial_check("chunked loss gradient (TRL's gradient is zero)")
@@ -356,7 +393,7 @@ class ChunkedStep:
         rows = torch.arange(logps.shape[0], device=logps.device)
         ours = loss_of_rows(logps, entropies, rows)
         our_grads = torch.autograd.grad(ours, [logps, entropies], allow_unused=True)
-        ours, trl_loss = float(ours.detach()), float(trl_loss.detach())
+        ours, trl_loss = float(ours.detach()) + float(aux_term), float(trl_loss.detach())
 
         def dense(grad, like):
             return torch.zeros_like(like) if grad is None else grad
@@ -386,3 +423,18 @@ class ChunkedStep:
                 "trainer subclass computes its loss differently; use mode='logps'."
             )
         return True
+
+
+def aux_loss_term(trainer, aux_loss: torch.Tensor) -> torch.Tensor:
+    """The term TRL's ``_compute_loss`` adds to a training micro-batch's loss: ``coef * aux / GA``."""
+    return trainer.router_aux_loss_coef * aux_loss / trainer.current_gradient_accumulation_steps
+
+
+def aux_loss_weight(trainer, router: RouterStats) -> torch.Tensor:
+    """(E,) float32 ``w`` such that ``sum over rows of (w * probs_row).sum()`` is TRL's aux term of the micro-batch
+    (:func:`aux_loss_term`), given its rows' routing counts ``router.counts`` (from a no-grad pass): the aux loss is
+    ``E * sum_e counts_e * probs_e / N**2`` with N the (MoE layer, real token) pairs, and the counts carry no
+    gradient, so the term's value and gradient are those of the linear form."""
+    total = router.tokens.sum()
+    aux = router.num_experts * router.counts.sum(0) / total**2
+    return aux_loss_term(trainer, aux)

@@ -7,6 +7,11 @@ every distinct prompt once, whatever the row order, so sharing holds for partial
 
 TRL does not apply the temperature in this method: its fused head (``add_fused_lm_head``) divides by the temperature
 it was given at construction. The patch reads ``trainer.temperature`` (the same value) and passes it on.
+
+With ``compute_aux_loss=True`` (MoE policy, ``router_aux_loss_coef != 0``) TRL forwards rows in sub-batches of
+``batch_size`` and returns the mean of the model's ``aux_loss`` over them. The patch computes every row's router
+statistics in the shared forward and forms each sub-batch's loss from its rows (:mod:`shared_prefix_logps.router`),
+differentiable, so ``_compute_loss`` adds ``router_aux_loss_coef * aux_loss`` as it does unpatched.
 """
 
 from __future__ import annotations
@@ -20,10 +25,18 @@ from ...api import compute_logps_concatenated
 from ...model_support import UnsupportedModelError, unwrap_causal_lm
 from ..common.modules import AutocastForward, dropout_active, eval_mode
 from ..common.rows import layout_problem
-from ..common.self_check import SelfCheckError, compare
+from ..common.self_check import SelfCheck, SelfCheckError, compare
 
 # Arguments the shared path understands; any other argument that is not None (images, token types ...) falls back.
-_HANDLED = ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy")
+_HANDLED = (
+    "model",
+    "input_ids",
+    "attention_mask",
+    "logits_to_keep",
+    "batch_size",
+    "compute_entropy",
+    "compute_aux_loss",
+)
 
 
 def result_arity(original) -> int:
@@ -59,7 +72,9 @@ class LogpsPatch:
     """Callable installed as ``trainer._get_per_token_logps_and_entropies``.
 
     Returns exactly what the original returns (a 3-tuple in TRL 1.x): ``logps`` (N, C) float32 with 0 at masked
-    positions, differentiable under grad; ``entropies`` (N, C) float32 or None; ``aux_loss`` None.
+    positions, differentiable under grad; ``entropies`` (N, C) float32 or None; ``aux_loss``: with
+    ``compute_aux_loss=True`` the 0-dim float32 mean over TRL's sub-batches of the router load-balancing loss
+    (differentiable), else None.
     """
 
     def __init__(self, patch, original):
@@ -81,11 +96,12 @@ class LogpsPatch:
         if reason is not None:
             return self.fallback(reason, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         compute_entropy = bool(arguments.get("compute_entropy", False))
+        compute_aux = bool(arguments.get("compute_aux_loss", False))
         # Under FSDP a no-grad call's forwards are joined with the other processes' (how many there are depends on the
         # rows); a call with gradient always makes the same two forwards, Phase 1 and Phase 2
         with self._in_step(model) if not torch.is_grad_enabled() else contextlib.nullcontext():
             try:
-                out = self.compute(model, input_ids, attention_mask, logits_to_keep, compute_entropy)
+                out = self.compute(model, input_ids, attention_mask, logits_to_keep, compute_entropy, compute_aux)
             except UnsupportedModelError as error:
                 out, reason = None, f"unsupported model ({error})"
         if out is None:
@@ -93,7 +109,8 @@ class LogpsPatch:
         stats = self.patch.stats
         stats.shared_calls += 1
         stats.record_batch(input_ids, attention_mask, logits_to_keep)
-        result = self.pack(out.logps, out.entropy)
+        aux_loss = sub_batch_aux_loss(out.router, arguments.get("batch_size")) if compute_aux else None
+        result = self.pack(out.logps, out.entropy, aux_loss)
         key = "logps (grad)" if torch.is_grad_enabled() else "logps (no grad)"
         with self._in_step(model):  # under FSDP every process enters, whether or not it checks now
             if self.patch.self_check and key not in self.checked:
@@ -104,7 +121,12 @@ class LogpsPatch:
                 else:
                     self.checked.add(key)
                     self.self_check(
-                        key, model, input_ids, attention_mask, logits_to_keep, args, kwargs, out, compute_entropy
+                        key,
+                        model,
+                        (input_ids, attention_mask, logits_to_keep, args, kwargs),
+                        out,
+                        compute_entropy,
+                        aux_loss,
                     )
         return result
 
@@ -122,8 +144,9 @@ class LogpsPatch:
             reason = "another process falls back (FSDP: all processes fall back together)"
         return reason
 
-    def compute(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy):
-        """The shared-prefix log-probs of a trainer-shaped batch, under the trainer's autocast."""
+    def compute(self, model, input_ids, attention_mask, logits_to_keep, compute_entropy, compute_aux=False):
+        """The shared-prefix log-probs of a trainer-shaped batch, under the trainer's autocast (with every row's router
+        statistics when ``compute_aux``)."""
         trainer = self.patch.trainer
         # The model is called as TRL calls it, DDP included: the phases' results leave through the model's outputs,
         # so DDP's reducer (unused-parameter search, gradient hooks, communication hooks) sees one ordinary graph.
@@ -135,11 +158,12 @@ class LogpsPatch:
             temperature=float(trainer.temperature),
             return_entropy=compute_entropy,
             backend=self.patch.backend,
+            return_router_stats=compute_aux,
         )
 
-    def pack(self, logps, entropy):
+    def pack(self, logps, entropy, aux_loss=None):
         """The tuple the installed TRL returns."""
-        return (logps, entropy, None) if self.arity == 3 else (logps, entropy)
+        return (logps, entropy, aux_loss) if self.arity == 3 else (logps, entropy)
 
     def fallback(self, reason, *args, **kwargs):
         stats = self.patch.stats
@@ -157,37 +181,44 @@ class LogpsPatch:
         except TypeError as error:
             return {}, f"arguments this TRL version's method does not take ({error})"
         arguments = bound.arguments
-        if arguments.get("compute_aux_loss"):
-            return arguments, "MoE router aux loss requested (compute_aux_loss=True)"
-        extra = sorted(
-            name
-            for name, value in arguments.items()
-            if name not in _HANDLED and name != "compute_aux_loss" and value is not None
-        )
+        extra = sorted(name for name, value in arguments.items() if name not in _HANDLED and value is not None)
         if extra:
             return arguments, f"inputs the shared path does not handle ({', '.join(extra)})"
         return arguments, None
 
-    def self_check(self, key, model, input_ids, attention_mask, logits_to_keep, args, kwargs, out, compute_entropy):
-        """Compare with the original method on this batch; raise :class:`SelfCheckError` on mismatch.
+    def self_check(self, key, model, call, out, compute_entropy, aux_loss=None):
+        """Compare with the original method on this batch (``call``: the arguments it was given); raise
+        :class:`SelfCheckError` on mismatch.
 
         Both run without gradient. With dropout active the two forwards would draw different masks, so both are
         then recomputed in eval mode.
         """
+        input_ids, attention_mask, logits_to_keep, args, kwargs = call
+        compute_aux = aux_loss is not None
+        batch_size = self._bound_batch_size(model, call)
         with torch.no_grad():
             if dropout_active(model):
                 with eval_mode(model):
-                    ours = self.compute(model, input_ids, attention_mask, logits_to_keep, compute_entropy)
+                    ours = self.compute(model, input_ids, attention_mask, logits_to_keep, compute_entropy, compute_aux)
                     reference = self.original(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+                if compute_aux:
+                    aux_loss = sub_batch_aux_loss(ours.router, batch_size)
                 detail = "(dropout active: compared in eval mode)"
             else:
                 ours = out
                 reference = self.original(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
                 detail = ""
-        self.check_result(key, ours.logps, ours.entropy, reference, attention_mask[:, -logits_to_keep:] != 0, detail)
+        valid = attention_mask[:, -logits_to_keep:] != 0
+        self.check_result(key, ours.logps, ours.entropy, reference, valid, detail, aux_loss=aux_loss)
 
-    def check_result(self, key, logps, entropy, reference, valid, detail=""):
-        """Compare ``logps``/``entropy`` with the original method's result ``reference``; record and raise."""
+    def _bound_batch_size(self, model, call):
+        input_ids, attention_mask, logits_to_keep, args, kwargs = call
+        bound = self.signature.bind(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        return bound.arguments.get("batch_size")
+
+    def check_result(self, key, logps, entropy, reference, valid, detail="", aux_loss=None):
+        """Compare ``logps``/``entropy`` (and ``aux_loss``, when given) with the original method's result
+        ``reference``; record and raise."""
         patch = self.patch
         if not isinstance(reference, tuple) or len(reference) != self.arity:
             raise SelfCheckError(
@@ -202,6 +233,8 @@ class LogpsPatch:
         if ref_logps.dtype != logps.dtype:
             check.detail = f"{check.detail} dtype ours {logps.dtype} vs TRL's {ref_logps.dtype}".strip()
         patch.stats.self_checks.append(check)
+        if aux_loss is not None:
+            self.check_aux_loss(key, aux_loss, reference[2], tolerance)
         if not check.passed:
             raise SelfCheckError(
                 f"shared_prefix_logps self-check failed for {key}: max |logp diff| {check.max_abs:.3g}, mean "
@@ -209,3 +242,31 @@ class LogpsPatch:
                 "patched trainer would optimize different numbers than TRL; unpatch it (unpatch_grpo_trainer) and "
                 "report the model and config."
             )
+
+    def check_aux_loss(self, key, ours, reference, tolerance) -> None:
+        """Compare the router aux loss with the original method's (relative to its size, with the log-prob bound)."""
+        if not isinstance(reference, torch.Tensor):
+            raise SelfCheckError(f"{key}: the original method returned no aux loss ({type(reference).__name__})")
+        theirs, ours = float(reference.detach()), float(ours.detach())
+        difference = abs(ours - theirs) / max(1.0, abs(theirs))
+        passed = difference <= tolerance[0]
+        detail = f"aux loss ours {ours:.8g} vs TRL {theirs:.8g}"
+        check = SelfCheck(f"{key} router aux loss (relative)", difference, difference, None, tolerance, passed, detail)
+        self.patch.stats.self_checks.append(check)
+        if not passed:
+            raise SelfCheckError(
+                f"shared_prefix_logps self-check failed for {key}: the router aux loss differs ({detail}). The patched "
+                "trainer would optimize a different loss than TRL; unpatch it and report the model and config."
+            )
+
+
+def sub_batch_aux_loss(router, batch_size) -> torch.Tensor:
+    """TRL's aux loss of a call: the mean over its sub-batches of ``batch_size`` consecutive rows (one sub-batch when
+    None) of the load-balancing loss of each sub-batch's rows, from ``router`` (:class:`RouterStats` of every row)."""
+    rows = router.counts.shape[0]
+    batch_size = batch_size or rows
+    losses = [
+        router.aux_loss(torch.arange(start, min(start + batch_size, rows), device=router.counts.device))
+        for start in range(0, rows, batch_size)
+    ]
+    return torch.stack(losses).mean()

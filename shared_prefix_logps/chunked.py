@@ -18,9 +18,9 @@ from .api import resolve_attention_backend
 from .forward.context import CaptureContext
 from .inputs import check_options, group_batch
 from .model_support import prepare_model
+from .moe_router import RouterStats, router_spec
 from .output import LogpsOutput, write_rows
 from .phases import capture_prefix, score_rows, score_rows_routed
-from .router import RouterStats, router_spec
 
 
 def chunked_backward(

@@ -18,7 +18,7 @@ class LogpsOutput:
             or None when it was not requested.
         mask: (rows, C) bool, True on valid completion tokens.
         router: MoE models, when requested (``return_router_stats=True``): each row's router statistics over its full
-            row ``[prompt | completion]``, a :class:`~shared_prefix_logps.router.RouterStats`;
+            row ``[prompt | completion]``, a :class:`~shared_prefix_logps.moe_router.RouterStats`;
             ``router.aux_loss(rows)`` is the model's own load-balancing ``aux_loss`` of those rows. None otherwise.
     """
 

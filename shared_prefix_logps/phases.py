@@ -10,7 +10,7 @@ Both phases come in two layouts: ``padded`` (backend ``expand``: rows of the bat
 
 With ``router_top_k`` set (MoE models, for the router aux loss) both phases also return the model's router logits
 (``output_router_logits=True``: they leave through the model's own output, as in its dense forward) and sum their
-statistics per prompt (Phase 1) and per row (Phase 2, :mod:`~shared_prefix_logps.router`). Phase 2 then forwards
+statistics per prompt (Phase 1) and per row (Phase 2, :mod:`~shared_prefix_logps.moe_router`). Phase 2 then forwards
 each row's last completion token too: the dense row routes it, although no log-prob needs its output.
 """
 
@@ -22,8 +22,8 @@ from .forward.context import CONTEXT_KWARG, CaptureContext, PhaseHandle, SharedC
 from .forward.routing import release
 from .inputs import GroupedBatch
 from .model_support import PreparedModel, force_non_reentrant_checkpointing
+from .moe_router import token_sums
 from .output import scatter_valid
-from .router import token_sums
 
 
 def capture_prefix(

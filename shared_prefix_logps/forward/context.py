@@ -42,7 +42,7 @@ class CaptureContext:
         finished: set once the phase's forward has returned; attention calls after that are activation-checkpoint
             recomputations during backward.
         router: when router statistics were requested, ``(counts, probs, tokens)`` of each prompt's prefix tokens,
-            (num_prompts, E), (num_prompts, E), (num_prompts,) float32 (see :mod:`~shared_prefix_logps.router`).
+            (num_prompts, E), (num_prompts, E), (num_prompts,) float32 (see :mod:`~shared_prefix_logps.moe_router`).
     """
 
     key_valid: torch.Tensor

@@ -40,7 +40,7 @@ def check_aux_loss_supported(trainer) -> None:
     from accelerate.utils import DistributedType
 
     from ...model_support import unwrap_causal_lm
-    from ...router import AUX_LOSS_MODEL_TYPES
+    from ...moe_router import AUX_LOSS_MODEL_TYPES
 
     coef = getattr(trainer, "router_aux_loss_coef", None)
     model_type = getattr(unwrap_causal_lm(trainer.model).config, "model_type", None)

@@ -40,7 +40,7 @@ import torch
 
 from ...api import compute_logps_concatenated
 from ...chunked import chunked_backward
-from ...router import RouterStats
+from ...moe_router import RouterStats
 from ..common.ddp import average_gradients, unwrap_ddp
 from ..common.modules import AutocastForward, dropout_active
 from ..common.patching import instance_attribute

@@ -10,7 +10,7 @@ it was given at construction. The patch reads ``trainer.temperature`` (the same 
 
 With ``compute_aux_loss=True`` (MoE policy, ``router_aux_loss_coef != 0``) TRL forwards rows in sub-batches of
 ``batch_size`` and returns the mean of the model's ``aux_loss`` over them. The patch computes every row's router
-statistics in the shared forward and forms each sub-batch's loss from its rows (:mod:`shared_prefix_logps.router`),
+statistics in the shared forward and forms each sub-batch's loss from its rows (:mod:`shared_prefix_logps.moe_router`),
 differentiable, so ``_compute_loss`` adds ``router_aux_loss_coef * aux_loss`` as it does unpatched.
 """
 

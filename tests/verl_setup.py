@@ -132,6 +132,7 @@ def build_engine(
     gradient_checkpointing: bool = False,
     lr: float = 0.1,
     optimizer: str = "SGD",
+    model_kwargs: dict | None = None,
     **engine_kwargs,
 ):
     """An initialized ``FSDPEngineWithLMHead`` (FSDP2, float32), as verl's ``TrainingWorker`` builds it.
@@ -156,6 +157,7 @@ def build_engine(
         lora_alpha=16,
         # verl defaults to flash_attention_2, which CPUs do not have
         override_config={"attn_implementation": "sdpa"},
+        **(model_kwargs or {}),
     )
     engine_config = FSDPEngineConfig(
         strategy="fsdp2",
@@ -192,13 +194,15 @@ def rollout_batch(
     vocab: int = 101,
     temperature=0.7,
     tool_tokens: bool = True,
+    prompt_padding: str = "left",
 ):
     """A rollout batch in the layout verl's trainer hands its workers (``left_right_2_no_padding`` applied).
 
     Prompts are left-padded with different true lengths (one of a single token), responses right-padded with
     lengths from 1 to ``response_len`` (the first row full, the second a single token); each prompt is repeated
     ``generations`` times (rows in groups, or shuffled). ``response_mask`` zeroes a token inside some responses, as
-    multi-turn tool output does. Old and reference log-probs and advantages are random.
+    multi-turn tool output does. Old and reference log-probs and advantages are random. ``prompt_padding="right"``
+    pads prompts on the right instead (not a layout verl's rollout produces; verl's own step handles it).
     """
     from tensordict import TensorDict
     from verl.workers.utils.padding import left_right_2_no_padding
@@ -211,6 +215,8 @@ def rollout_batch(
         prompt_lens[2] = 1
     prompt_mask = torch.arange(prompt_len)[None, :] >= (prompt_len - prompt_lens)[:, None]
     prompts = torch.randint(1, vocab, (num_prompts, prompt_len), generator=gen).masked_fill(~prompt_mask, 0)
+    if prompt_padding == "right":
+        prompts, prompt_mask = right_aligned(prompts, prompt_mask)
     prompts, prompt_mask = prompts.repeat_interleave(generations, 0), prompt_mask.repeat_interleave(generations, 0)
     response_lens = torch.randint(1, response_len + 1, (rows,), generator=gen)
     response_lens[0], response_lens[1] = response_len, 1
@@ -241,6 +247,12 @@ def rollout_batch(
 
         tu.assign_non_tensor(td, temperature=temperature)
     return td
+
+
+def right_aligned(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded (B, P) rows moved to the start of the row (right padding)."""
+    order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # valid positions first, in order
+    return ids.gather(1, order), mask.gather(1, order)
 
 
 def assign(td, **values):

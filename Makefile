@@ -48,7 +48,7 @@ test-min-transformers: $(MIN_VENV)/.installed
 VERL_VENV ?= .venv-verl
 VERL_PY := $(VERL_VENV)/bin/python
 VERL_TESTS := tests/test_verl_engine.py tests/test_verl_training.py tests/test_verl_fallbacks.py \
-	tests/test_verl_fsdp.py tests/test_verl_options.py
+	tests/test_verl_fsdp.py tests/test_verl_options.py benchmarks/test_verl_bench.py
 
 $(VERL_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VERL_VENV)

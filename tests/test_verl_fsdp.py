@@ -1,6 +1,7 @@
 """The verl plug-in under FSDP2 with two gloo processes (CPU): each process scores and trains on its own rows (other
 prompts, group sizes and widths, so the shared path's no-grad forwards differ in number and are joined), and the
-patched engines compute what the unpatched ones compute. One process's unsupported micro-batch makes both fall back."""
+patched engines compute what the unpatched ones compute. One process's unsupported micro-batch makes both fall back;
+Ulysses sequence parallel (size 2) is left to verl."""
 
 from __future__ import annotations
 
@@ -64,6 +65,20 @@ def _worker(rank, port, path, results):
             metrics={k: vs.metric_values(v) for k, v in trained["metrics"].items()},
             params=vs.full_parameters(engine),
         )
+    # Ulysses sequence parallel over the two processes: verl's own step on both engines
+    sp_engines = [vs.build_engine(path, ulysses_sequence_parallel_size=2) for _ in range(2)]
+    unpatch_verl_engine(sp_engines[1])
+    sp_logps = []
+    for engine in sp_engines:
+        td = vs.batch_options(engine, vs.rollout_batch(seed=43))  # the same rows on both (one sequence-parallel group)
+        with engine.eval_mode():
+            result = engine.infer_batch(td)
+        sp_logps.append(no_padding_2_padding(result["model_output"]["log_probs"], td))
+    out["ulysses"] = dict(
+        diff=(sp_logps[0] - sp_logps[1]).abs().max().item(),
+        reasons=dict(get_patch(sp_engines[0]).stats.fallback_reasons),
+        shared=get_patch(sp_engines[0]).stats.shared_calls,
+    )
     patch = get_patch(patched)
     out["stats"] = dict(
         shared=patch.stats.shared_calls,
@@ -102,5 +117,8 @@ def test_two_process_fsdp2_matches_unpatched(tmp_path, monkeypatch):
         assert stats["shared"] == 7, stats
         expected = "not left-padded" if rank == 1 else "another process falls back"
         assert len(stats["reasons"]) == 1 and expected in next(iter(stats["reasons"])), stats
+        ulysses = results[rank]["ulysses"]
+        assert ulysses["diff"] == 0.0 and ulysses["shared"] == 0, ulysses
+        assert ulysses["reasons"] == {"Ulysses sequence parallel (size 2)": 3}, ulysses
     # process 1 has fewer, longer prompts: the processes' no-grad forward counts differ and were joined
     assert results[0]["stats"]["padding_forwards"] + results[1]["stats"]["padding_forwards"] > 0

@@ -76,3 +76,27 @@ def test_one_token_responses(engines):
     """Every response a single token, filling the response width (no right padding at all)."""
     loss_fn = vs.ppo_loss(loss_agg_mode="seq-mean-token-mean", entropy_coeff=0.01)
     compare(engines, loss_fn, shuffle=True, seed=23, response_len=1, tool_tokens=False, num_prompts=2, generations=6)
+
+
+def test_per_row_temperature(engines):
+    """verl's per-sample temperature (a tensor in the batch): one shared-path call per distinct value, gradients of
+    the sum as verl's single forward gives them."""
+    loss_fn = vs.ppo_loss(loss_agg_mode="token-mean", entropy_coeff=0.01)
+    temperature = torch.tensor([0.6, 1.0, 1.4])[torch.arange(12) // 4]
+    compare(engines, loss_fn, shuffle=True, seed=24, temperature=temperature)
+
+
+@pytest.mark.parametrize("variant", ["checkpointing", "lora"])
+def test_checkpointing_and_lora(tmp_path, variant):
+    """verl's defaults for its actor: non-reentrant gradient checkpointing; and a LoRA adapter (its gradients only)."""
+    from shared_prefix_logps.integrations.verl import unpatch_verl_engine
+
+    path = vs.save_model(tmp_path, "qwen2")
+    options = dict(gradient_checkpointing=True) if variant == "checkpointing" else dict(lora_rank=4)
+    pair = [vs.build_engine(path, micro_batch_size=3, **options) for _ in range(2)]
+    unpatch_verl_engine(pair[1])
+    if variant == "lora":
+        for engine in pair:
+            vs.randomize_lora(engine)
+    loss_fn = vs.ppo_loss(loss_agg_mode="seq-mean-token-sum", entropy_coeff=0.01, use_kl_loss=True)
+    compare(pair, loss_fn, shuffle=True, seed=25)

@@ -172,3 +172,31 @@ def test_lora_reference_through_disable_adapter(model_path):
     assert (ref - verl_ref).abs().max().item() < 1e-5
     assert (policy - verl_policy).abs().max().item() < 1e-5
     assert (ref - policy).abs().max().item() > 1e-3
+
+
+def test_bf16_mixed_precision(model_path):
+    """verl's default mixed precision (bf16 parameters and autocast): the patched engine returns verl's dtypes (so a
+    micro-batch that falls back concatenates with served ones), and its log-probs are as close to a float32 engine's
+    as verl's own bf16 log-probs are."""
+    from shared_prefix_logps.integrations.verl import get_patch, unpatch_verl_engine
+
+    bf16 = dict(mixed_precision={"param_dtype": "bf16", "reduce_dtype": "fp32", "buffer_dtype": "fp32"})
+    ours, theirs = vs.build_engine(model_path, **bf16), vs.build_engine(model_path, **bf16)
+    reference = vs.build_engine(model_path)
+    for engine in (theirs, reference):
+        unpatch_verl_engine(engine)
+    results = {}
+    for name, engine in (("ours", ours), ("verl", theirs), ("fp32", reference)):
+        td = vs.batch_options(engine, vs.rollout_batch(seed=17, shuffle=True))
+        out = infer(engine, td)["model_output"]
+        results[name] = (response(out["log_probs"], td).float(), out["log_probs"].dtype, out["entropy"].dtype)
+    assert results["ours"][1:] == results["verl"][1:]
+    our_error = (results["ours"][0] - results["fp32"][0]).abs().max().item()
+    verl_error = (results["verl"][0] - results["fp32"][0]).abs().max().item()
+    assert 0 < our_error <= 1.5 * verl_error + 1e-2, (our_error, verl_error)
+    # one micro-batch served, the next (right-padded prompts) left to verl: verl concatenates both
+    td = vs.batch_options(ours, vs.rollout_batch(num_prompts=2, seed=33, prompt_padding="right"))
+    out = infer(ours, td)["model_output"]
+    assert out["log_probs"].dtype == results["verl"][1]
+    stats = get_patch(ours).stats
+    assert stats.fallback_calls == 1 and [check.passed for check in stats.self_checks] == [True]

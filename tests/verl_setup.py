@@ -159,7 +159,7 @@ def build_engine(
         override_config={"attn_implementation": "sdpa"},
         **(model_kwargs or {}),
     )
-    engine_config = FSDPEngineConfig(
+    settings = dict(
         strategy="fsdp2",
         model_dtype="fp32",
         mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
@@ -170,8 +170,9 @@ def build_engine(
         max_token_len_per_gpu=max_token_len,
         infer_max_token_len_per_gpu=max_token_len,
         use_remove_padding=remove_padding,
-        **engine_kwargs,
     )
+    settings.update(engine_kwargs)
+    engine_config = FSDPEngineConfig(**settings)
     optimizer_config = FSDPOptimizerConfig(lr=lr, optimizer=optimizer, total_training_steps=10, weight_decay=0.0)
     engine = FSDPEngineWithLMHead(
         model_config=model_config,

@@ -79,6 +79,7 @@ class VerlPatch:
         self.warn = WarnOnce()
         self.checked: set[str] = set()
         self.replaced: list = []  # instance attributes replaced by patch_verl_engine
+        self._dtypes: tuple[torch.dtype, torch.dtype] | None = None
         multi = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         self.lockstep = Lockstep(_device(engine)) if multi else None
 
@@ -106,10 +107,11 @@ class VerlPatch:
                 logps, entropy = self.compute(rows, calculate_entropy)
         except UnsupportedModelError as error:
             return self.fallback(f"unsupported model ({error})", micro_batch, loss_function, forward_only)
+        logps_dtype, entropy_dtype = self.output_dtypes()
         with _autocast(engine):
-            model_output = {"log_probs": to_sequences(logps, rows)}
+            model_output = {"log_probs": to_sequences(logps.to(logps_dtype), rows)}
             if calculate_entropy:
-                model_output["entropy"] = to_sequences(entropy, rows)
+                model_output["entropy"] = to_sequences(entropy.to(entropy_dtype), rows)
             if loss_function is not None:
                 loss, metrics = loss_function(
                     model_output=model_output, data=micro_batch, dp_group=engine.get_data_parallel_group()
@@ -148,6 +150,26 @@ class VerlPatch:
                 if calculate_entropy:
                     entropy = scatter_rows(entropy, out.entropy, indices, count)
         return logps, entropy
+
+    def output_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
+        """The dtypes of verl's own ``log_probs`` and ``entropy`` on this engine (found once, on a 2 x 4 tensor).
+
+        verl computes them from logits in its autocast dtype with its own helpers, and their dtype depends on the
+        platform (flash-attn's cross entropy gives float32 log-probs from bf16 logits, the torch path bf16). The
+        shared path's float32 results are cast to them: verl concatenates the micro-batches' outputs into one nested
+        tensor, which fails when a fallback micro-batch's dtype differs, and its losses then see what they always see.
+        """
+        if self._dtypes is None:
+            import verl.utils.torch_functional as verl_F
+
+            dtype = getattr(self.engine, "_autocast_dtype", torch.bfloat16)
+            logits = torch.zeros((2, 4), dtype=dtype, device=_device(self.engine))
+            labels = torch.zeros(2, dtype=torch.long, device=logits.device)
+            with torch.no_grad(), _autocast(self.engine):
+                logps = verl_F.logprobs_from_logits(logits, labels)
+                entropy = verl_F.entropy_from_logits(logits)
+            self._dtypes = (logps.dtype, entropy.dtype)
+        return self._dtypes
 
     def fallback(self, reason, micro_batch, loss_function, forward_only):
         """verl's own step, with one warning per reason and a count."""

@@ -17,87 +17,94 @@ PLUGIN = "shared_prefix_logps.integrations.verl"
 
 
 def use_cpu_platform() -> None:
-    """Make verl see a CPU "device" (idempotent; must run before verl's engine modules are imported)."""
-    from verl.plugin.platform import platform_manager
+    """Make verl see a CPU "device" (idempotent; must run before verl's engine modules are imported).
 
-    if isinstance(platform_manager._current_platform, CPUPlatform):
+    verl >= 0.9 asks its platform registry (``verl.plugin.platform``), which has no CPU entry; verl 0.8 falls back to
+    ``"cpu"`` by itself when no accelerator is present.
+    """
+    try:
+        from verl.plugin.platform import platform_manager
+    except ImportError:  # verl 0.8: no platform layer
+        from verl.utils.device import get_device_name
+
+        assert get_device_name() == "cpu", get_device_name()
         return
-    platform_manager.set_platform(CPUPlatform())
+    if type(platform_manager._current_platform).__name__ == "CPUPlatform":
+        return
+    platform_manager.set_platform(_cpu_platform_class()())
 
 
-def _platform_base():
+def _cpu_platform_class():
+    """verl's platform interface answered for the CPU: device ``cpu``, collectives on gloo, nothing to profile."""
     from verl.plugin.platform.platform_base import PlatformBase
 
-    return PlatformBase
+    class CPUPlatform(PlatformBase):
+        device_name = "cpu"
+        vendor_name = "cpu"
+        device_module = torch.cpu
 
+        def is_available(self):
+            return True
 
-class CPUPlatform(_platform_base()):
-    """verl's platform interface answered for the CPU: device ``cpu``, collectives on gloo, nothing to profile."""
+        def is_platform_available(self, use_smi_check=False):
+            return True
 
-    device_name = "cpu"
-    vendor_name = "cpu"
-    device_module = torch.cpu
+        def current_device(self):
+            return "cpu"
 
-    def is_available(self):
-        return True
+        def device_count(self):
+            return 1
 
-    def is_platform_available(self, use_smi_check=False):
-        return True
+        def set_device(self, device_index):
+            pass
 
-    def current_device(self):
-        return "cpu"
+        def synchronize(self, device_index=None):
+            pass
 
-    def device_count(self):
-        return 1
+        def manual_seed(self, seed):
+            torch.manual_seed(seed)
 
-    def set_device(self, device_index):
-        pass
+        def manual_seed_all(self, seed):
+            torch.manual_seed(seed)
 
-    def synchronize(self, device_index=None):
-        pass
+        def set_allocator_settings(self, settings):
+            pass
 
-    def manual_seed(self, seed):
-        torch.manual_seed(seed)
+        def empty_cache(self):
+            pass
 
-    def manual_seed_all(self, seed):
-        torch.manual_seed(seed)
+        def get_device_capability(self, device_index=0):
+            return (None, None)
 
-    def set_allocator_settings(self, settings):
-        pass
+        def communication_backend_name(self):
+            return "gloo"
 
-    def empty_cache(self):
-        pass
+        def visible_devices_envvar(self):
+            return "CPU_VISIBLE_DEVICES"
 
-    def get_device_capability(self, device_index=0):
-        return (None, None)
+        def ray_resource_name(self):
+            return "CPU"
 
-    def communication_backend_name(self):
-        return "gloo"
+        def ray_noset_envvars(self):
+            return []
 
-    def visible_devices_envvar(self):
-        return "CPU_VISIBLE_DEVICES"
+        def is_ipc_supported(self):
+            return False
 
-    def ray_resource_name(self):
-        return "CPU"
+        @contextlib.contextmanager
+        def nvtx_range(self, msg):
+            yield
 
-    def ray_noset_envvars(self):
-        return []
+        def profiler_start(self):
+            pass
 
-    def is_ipc_supported(self):
-        return False
+        def profiler_stop(self):
+            pass
 
-    @contextlib.contextmanager
-    def nvtx_range(self, msg):
-        yield
+        def cudart(self):
+            return None
 
-    def profiler_start(self):
-        pass
-
-    def profiler_stop(self):
-        pass
-
-    def cudart(self):
-        return None
+    return CPUPlatform
 
 
 def init_single_process(port: int) -> None:

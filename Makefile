@@ -15,7 +15,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	$(PY) -m shared_prefix_logps.demo
+	$(PY) -m shared_prefix_logps.bench.demo
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -ra tests

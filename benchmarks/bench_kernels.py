@@ -97,7 +97,7 @@ def bench_kernel(args, dtype) -> None:
 
     with torch.no_grad():
         ref = torch_logps(logits)
-        ours = logsoftmax_gather(logits, targets, backend="triton")
+        ours = logsoftmax_gather(logits, targets, implementation="triton")
         print(f"  max |ours - torch| = {(ours - ref).abs().max().item():.3e}   max ours = {ours.max().item():.3e}")
         _run("ours fwd", lambda: logsoftmax_gather(logits, targets), args, bytes_moved=fwd_bytes)
         _run(
@@ -153,7 +153,7 @@ def _torch_chunked_head(hidden, weight, targets, chunk):
 
 
 def bench_head(args, dtype) -> None:
-    from shared_prefix_logps.head import default_chunk_size, linear_logps
+    from shared_prefix_logps.kernels.fused_head import default_chunk_size, linear_logps
 
     n, v, h = args.n, args.vocab, args.hidden
     chunk = args.chunk_size or default_chunk_size(n, v)
@@ -186,7 +186,9 @@ def bench_head(args, dtype) -> None:
     cases = {
         "ours (triton)": lambda: linear_logps(hidden, weight, targets, chunk_size=chunk),
         "ours (+entropy)": lambda: linear_logps(hidden, weight, targets, chunk_size=chunk, return_entropy=True)[0],
-        "ours (torch statistics)": lambda: linear_logps(hidden, weight, targets, chunk_size=chunk, backend="torch"),
+        "ours (torch statistics)": lambda: linear_logps(
+            hidden, weight, targets, chunk_size=chunk, implementation="torch"
+        ),
         "torch chunked + checkpoint": lambda: _torch_chunked_head(hidden, weight, targets, chunk),
         "torch dense (full logits)": lambda: (
             (hidden @ weight.t()).float().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)

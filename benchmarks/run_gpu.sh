@@ -54,14 +54,14 @@ step_kernels() {
 
 step_sweep() {  # $1: workload (score or train)
     echo "== standard sweep, $1 (qwen2.5-1.5b, C=512)"
-    $PY -m shared_prefix_logps.cli bench --preset qwen2.5-1.5b --prompts 1 --prompt-len 1024 4096 16384 \
+    $PY -m shared_prefix_logps.bench.cli bench --preset qwen2.5-1.5b --prompts 1 --prompt-len 1024 4096 16384 \
         --completion-len 512 --generations 4 16 64 --methods "$METHODS" --workloads "$1" --repeats 3 \
         --output "$OUT" --name "$(stem)-$1"
 }
 
 step_maxg() {
     echo "== largest G that fits (qwen2.5-7b, P=4096, C=1024)"
-    $PY -m shared_prefix_logps.cli bench --preset qwen2.5-7b --prompts 1 --prompt-len 4096 --completion-len 1024 \
+    $PY -m shared_prefix_logps.bench.cli bench --preset qwen2.5-7b --prompts 1 --prompt-len 4096 --completion-len 1024 \
         --generations 1 --methods "$METHODS" --workloads train --repeats 1 --max-generations \
         --output "$OUT" --name "$(stem)-maxg-7b"
 }

@@ -14,10 +14,10 @@ import os
 import pytest
 import torch
 
+from shared_prefix_logps.bench.memory import peak_memory
 from shared_prefix_logps.bench.methods import METHODS, method_unavailable
+from shared_prefix_logps.bench.presets import build_preset
 from shared_prefix_logps.bench.runner import Shape, make_batch
-from shared_prefix_logps.memory import peak_memory
-from shared_prefix_logps.presets import build_preset
 
 pytest.importorskip("pytest_benchmark")
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .chunking import DEFAULT_TOKEN_BUDGET, plan_prompt_chunks, plan_row_chunks
 from .dense import dense_logps
 from .flex import flex_available
 from .inputs import GroupedBatch, check_options, group_batch, split_concatenated
 from .model_support import PreparedModel, prepare_model
 from .output import LogpsOutput, write_rows
 from .phases import capture_prefix, score_rows
+from .token_budget import DEFAULT_TOKEN_BUDGET, plan_prompt_batches, plan_row_batches
 
 
 def compute_logps(
@@ -107,7 +107,7 @@ def compute_logps_concatenated(
     )
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
+def resolve_attention_backend(backend: str, device: torch.device) -> str:
     """The concrete backend for ``backend`` on ``device`` with the current grad mode.
 
     ``auto`` is ``flex`` on CUDA and ``expand`` elsewhere. ``flex`` needs flex_attention's backward, which torch has
@@ -141,7 +141,7 @@ def run_batch(
     ``token_budget`` tokens each, so peak memory does not grow with the number of prompts or with G. With
     gradients everything runs as one graph (see :func:`~shared_prefix_logps.chunked_backward` for bounded memory).
     """
-    backend = resolve_backend(backend, prepared.device)
+    backend = resolve_attention_backend(backend, prepared.device)
     temperature = float(temperature)
     rows, length = batch.completion_ids.shape
     mask = batch.completion_mask
@@ -164,11 +164,11 @@ def run_batch(
         return _output(logps, entropy, mask)
     packed = backend == "flex"
     budget = None if torch.is_grad_enabled() else (token_budget or DEFAULT_TOKEN_BUDGET)
-    for prompt_indices in plan_prompt_chunks(batch.prompt_mask, budget):
+    for prompt_indices in plan_prompt_batches(batch.prompt_mask, budget):
         sub, sub_rows = batch.select_prompts(prompt_indices)
         capture = capture_prefix(prepared, sub.prompt_ids, sub.prompt_mask, packed=packed)
         prefix_cost = 0 if packed else sub.prompt_ids.shape[1]
-        for local_rows in plan_row_chunks(sub.completion_mask, prefix_cost, budget):
+        for local_rows in plan_row_batches(sub.completion_mask, prefix_cost, budget):
             part = sub.select_rows(local_rows)
             if not part.completion_mask.any() and not nothing_valid:
                 continue  # zeros already; an all-masked batch is forwarded anyway (see above)

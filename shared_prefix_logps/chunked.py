@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .api import resolve_backend
+from .api import resolve_attention_backend
 from .context import CaptureContext
 from .inputs import check_options, group_batch
 from .model_support import prepare_model
@@ -81,7 +81,7 @@ def chunked_backward(
         raise TypeError(f"generations_per_chunk must be an int, got {type(generations_per_chunk).__name__}")
     if not 1 <= generations_per_chunk <= generations:
         raise ValueError(f"generations_per_chunk must be in [1, G={generations}], got {generations_per_chunk}")
-    backend = resolve_backend(backend, prepared.device)
+    backend = resolve_attention_backend(backend, prepared.device)
     packed = backend == "flex"
 
     capture = capture_prefix(prepared, batch.prompt_ids, batch.prompt_mask, packed=packed)

@@ -89,7 +89,7 @@ class GroupedBatch:
 
 
 #: Backends of the completion attention. ``auto`` picks the best one available on the model's device.
-BACKENDS = ("auto", "expand", "flex", "dense")
+ATTENTION_BACKENDS = ("auto", "expand", "flex", "dense")
 
 
 def check_options(temperature, backend, token_budget=None) -> None:
@@ -98,8 +98,8 @@ def check_options(temperature, backend, token_budget=None) -> None:
         raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be positive and finite, got {temperature}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
     if token_budget is not None and (
         isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1
     ):

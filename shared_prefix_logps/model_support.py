@@ -357,7 +357,7 @@ def _lm_head_proxy_forward(self, hidden_states, *args, **kwargs):
         return hidden_states[..., :0]
     if not isinstance(context, SharedContext):
         raise TypeError(f"unexpected phase context {type(context).__name__}")
-    from .head import linear_logps
+    from .kernels.fused_head import linear_logps
 
     spec = context.head_spec
     hidden = hidden_states[context.query_valid]

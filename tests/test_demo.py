@@ -2,7 +2,7 @@
 
 import torch
 
-from shared_prefix_logps.demo import main
+from shared_prefix_logps.bench.demo import main
 
 
 def test_demo_default_shape(capsys):

@@ -7,7 +7,7 @@ import torch
 from tiny_models import FAMILIES, build_model, make_batch
 
 from shared_prefix_logps import compute_logps
-from shared_prefix_logps.memory import LiveTensorBytes
+from shared_prefix_logps.bench.memory import LiveTensorBytes
 
 # Eager flex_attention on CPU warns that it is unfused; that is expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -4,9 +4,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from triton_cpu import BACKENDS, TRITON_OK, interpret_triton_on_cpu  # noqa: F401 (autouse fixture)
+from triton_cpu import IMPLEMENTATIONS, TRITON_OK, interpret_triton_on_cpu  # noqa: F401 (autouse fixture)
 
-from shared_prefix_logps.head import default_chunk_size, linear_logps
+from shared_prefix_logps.kernels.fused_head import default_chunk_size, linear_logps
 
 SHAPES = [(37, 1013, 48), (5, 257, 16), (1, 3, 8)]  # (N, V, H)
 
@@ -69,18 +69,20 @@ def make_inputs(n, v, h, *, seed, bias=True, weight_scale=0.25, ignore=True):
     return hidden, weight, b, targets
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("softcap", [None, 30.0])
 @pytest.mark.parametrize("return_entropy", [False, True])
-def test_fp32_matches_float64(backend, shape, temperature, softcap, return_entropy):
+def test_fp32_matches_float64(implementation, shape, temperature, softcap, return_entropy):
     n, v, h = shape
     hidden, weight, bias, targets = make_inputs(n, v, h, seed=n + v, bias=n == 37)
     kw = {"temperature": temperature, "softcap": softcap}
 
     def ours(hd, w, b):
-        out = linear_logps(hd, w, targets, bias=b, return_entropy=return_entropy, chunk_size=8, backend=backend, **kw)
+        out = linear_logps(
+            hd, w, targets, bias=b, return_entropy=return_entropy, chunk_size=8, implementation=implementation, **kw
+        )
         return out if return_entropy else (out, None)
 
     got = run(ours, hidden, weight, bias, targets, torch.float32, return_entropy)
@@ -106,17 +108,17 @@ def test_fp32_matches_float64(backend, shape, temperature, softcap, return_entro
             assert errs[key] < 1e-4, errs
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("softcap", [None, 30.0])
-def test_bf16_against_float64_of_same_values(backend, temperature, softcap):
+def test_bf16_against_float64_of_same_values(implementation, temperature, softcap):
     n, v, h = 37, 1013, 48
     hidden, weight, _, targets = make_inputs(n, v, h, seed=23, bias=False, weight_scale=0.3)
     hidden, weight = hidden.bfloat16(), weight.bfloat16()  # the reference sees exactly these values, upcast
     kw = {"temperature": temperature, "softcap": softcap}
 
     def ours(hd, w, b):
-        return linear_logps(hd, w, targets, return_entropy=True, chunk_size=16, backend=backend, **kw)
+        return linear_logps(hd, w, targets, return_entropy=True, chunk_size=16, implementation=implementation, **kw)
 
     got = run(ours, hidden, weight, None, targets, torch.bfloat16)
     ref = run(lambda hd, w, b: plain_head(hd, w, b, targets, **kw), hidden, weight, None, targets, torch.float64)
@@ -143,9 +145,9 @@ def test_bf16_against_float64_of_same_values(backend, temperature, softcap):
         assert errs[key] <= 1.25 * yard[key] + slack, (key, errs, yard)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_extreme_logits(backend, temperature):
+def test_extreme_logits(implementation, temperature):
     # H = 1 with exactly representable products: logits of exactly +-1e4 (and +-5e3), so the float64 reference
     # sees the same logits and any error is the head's own.
     v = 1013
@@ -161,7 +163,7 @@ def test_extreme_logits(backend, temperature):
     targets[0] = 0
 
     def ours(hd, w, b):
-        return linear_logps(hd, w, targets, temperature=temperature, return_entropy=True, backend=backend)
+        return linear_logps(hd, w, targets, temperature=temperature, return_entropy=True, implementation=implementation)
 
     got = run(ours, hidden, weight, None, targets, torch.float32)
     ref = run(lambda hd, w, b: plain_head(hd, w, b, targets, temperature), hidden, weight, None, targets, torch.float64)
@@ -173,8 +175,8 @@ def test_extreme_logits(backend, temperature):
     assert errs["entropy"] < 1e-5 and errs["d_hidden"] < 1e-4 and errs["d_weight"] < 1e-4, errs
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_masked_rows_are_skipped_before_the_matmul(backend):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_masked_rows_are_skipped_before_the_matmul(implementation):
     n, v, h = 37, 1013, 8
     hidden, weight, bias, targets = make_inputs(n, v, h, seed=31, ignore=False)
     keep = torch.zeros(n, dtype=torch.bool)
@@ -183,7 +185,7 @@ def test_masked_rows_are_skipped_before_the_matmul(backend):
     hidden[~keep] = float("nan")  # compacted away, so it can never reach an output or a gradient
 
     def ours(hd, w, b):
-        return linear_logps(hd, w, targets, bias=b, return_entropy=True, ignore_index=-5, backend=backend)
+        return linear_logps(hd, w, targets, bias=b, return_entropy=True, ignore_index=-5, implementation=implementation)
 
     with ShapeRecorder() as rec:
         got = run(ours, hidden, weight, bias, targets, torch.float32)
@@ -210,7 +212,7 @@ def test_masked_rows_are_skipped_before_the_matmul(backend):
     none = torch.full((4,), -100)
     hd = torch.randn(4, h, requires_grad=True)
     w = weight.clone().requires_grad_()
-    lp, ent = linear_logps(hd, w, none, return_entropy=True, backend=backend)
+    lp, ent = linear_logps(hd, w, none, return_entropy=True, implementation=implementation)
     (lp.sum() + ent.sum()).backward()
     assert lp.shape == (4,) and (lp == 0).all() and (ent == 0).all()
     assert (hd.grad == 0).all() and (w.grad == 0).all()
@@ -240,9 +242,9 @@ class ShapeRecorder(TorchDispatchMode):
         return [s for s in self.new_shapes if len(s) == 2 and s[1] == v]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("softcap", [None, 30.0])
-def test_never_materialises_more_than_one_chunk_of_logits(backend, softcap):
+def test_never_materialises_more_than_one_chunk_of_logits(implementation, softcap):
     n, v, h, chunk = 37, 1013, 8, 10  # h < chunk, so even the (V, H) weight gradient is below one chunk
     hidden, weight, bias, targets = make_inputs(n, v, h, seed=37)
     hidden.requires_grad_()
@@ -256,7 +258,14 @@ def test_never_materialises_more_than_one_chunk_of_logits(backend, softcap):
 
     with ShapeRecorder() as fwd, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         lp, ent = linear_logps(
-            hidden, weight, targets, bias=bias, softcap=softcap, return_entropy=True, chunk_size=chunk, backend=backend
+            hidden,
+            weight,
+            targets,
+            bias=bias,
+            softcap=softcap,
+            return_entropy=True,
+            chunk_size=chunk,
+            implementation=implementation,
         )
     with ShapeRecorder() as bwd:
         (lp.sum() + ent.sum()).backward()
@@ -269,13 +278,13 @@ def test_never_materialises_more_than_one_chunk_of_logits(backend, softcap):
     assert all(s in {(v, h), (v,)} or v not in s for s in saved), saved
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_chunking_does_not_change_results(backend):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_chunking_does_not_change_results(implementation):
     hidden, weight, bias, targets = make_inputs(37, 257, 16, seed=41)
     outs = []
     for chunk in (1, 7, 37, None):
         fn = lambda hd, w, b, c=chunk: linear_logps(  # noqa: E731
-            hd, w, targets, bias=b, temperature=0.7, return_entropy=True, chunk_size=c, backend=backend
+            hd, w, targets, bias=b, temperature=0.7, return_entropy=True, chunk_size=c, implementation=implementation
         )
         outs.append(run(fn, hidden, weight, bias, targets, torch.float32))
     for other in outs[1:]:
@@ -283,28 +292,28 @@ def test_chunking_does_not_change_results(backend):
         assert max(errs.values()) < 1e-5, errs
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_leading_dims_and_partial_requires_grad(backend):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_leading_dims_and_partial_requires_grad(implementation):
     hidden, weight, _, targets = make_inputs(12, 257, 16, seed=43, bias=False)
     hidden3, targets3 = hidden.view(3, 4, 16), targets.view(3, 4)
-    lp = linear_logps(hidden3, weight, targets3, backend=backend)
+    lp = linear_logps(hidden3, weight, targets3, implementation=implementation)
     ref, _ = plain_head(hidden.double(), weight.double(), None, targets)
     assert lp.shape == (3, 4) and (lp.reshape(-1).double() - ref).abs().max() < 1e-5
 
     # Frozen weight (LoRA-style): only the hidden states get a gradient, and vice versa.
     hd = hidden.clone().requires_grad_()
-    linear_logps(hd, weight, targets, backend=backend).sum().backward()
+    linear_logps(hd, weight, targets, implementation=implementation).sum().backward()
     assert hd.grad is not None and torch.isfinite(hd.grad).all()
     w = weight.clone().requires_grad_()
-    linear_logps(hidden, w, targets, backend=backend).sum().backward()
+    linear_logps(hidden, w, targets, implementation=implementation).sum().backward()
     assert w.grad is not None and w.grad.dtype == torch.float32
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_autocast_computes_like_the_models_lm_head(backend):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_autocast_computes_like_the_models_lm_head(implementation):
     hidden, weight, bias, targets = make_inputs(37, 257, 16, seed=59)
     as_bf16 = run(
-        lambda hd, w, b: linear_logps(hd, w, targets, bias=b, return_entropy=True, backend=backend),
+        lambda hd, w, b: linear_logps(hd, w, targets, bias=b, return_entropy=True, implementation=implementation),
         hidden,
         weight,
         bias,
@@ -314,7 +323,7 @@ def test_autocast_computes_like_the_models_lm_head(backend):
 
     def under_autocast(hd, w, b):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            return linear_logps(hd, w, targets, bias=b, return_entropy=True, backend=backend)
+            return linear_logps(hd, w, targets, bias=b, return_entropy=True, implementation=implementation)
 
     got = run(under_autocast, hidden, weight, bias, targets, torch.float32)
     assert torch.equal(got["logps"], as_bf16["logps"]) and torch.equal(got["entropy"], as_bf16["entropy"])
@@ -355,7 +364,7 @@ def test_rejects_bad_arguments():
     with pytest.raises(ValueError):
         linear_logps(hidden, weight.t(), targets)
     with pytest.raises(ValueError):
-        linear_logps(hidden, weight, targets, backend="fast")
+        linear_logps(hidden, weight, targets, implementation="fast")
 
 
 @pytest.mark.gpu
@@ -369,7 +378,7 @@ def test_cuda_bf16_matches_float64(softcap, monkeypatch):
     kw = {"temperature": 0.7, "softcap": softcap}
 
     def ours(hd, w, b):
-        return linear_logps(hd, w, targets, return_entropy=True, chunk_size=128, backend="triton", **kw)
+        return linear_logps(hd, w, targets, return_entropy=True, chunk_size=128, implementation="triton", **kw)
 
     got = run(ours, hidden, weight, None, targets, torch.bfloat16)
     ref = run(lambda hd, w, b: plain_head(hd, w, b, targets, **kw), hidden, weight, None, targets, torch.float64)
@@ -385,3 +394,21 @@ def test_cuda_bf16_matches_float64(softcap, monkeypatch):
     assert (got["logps"] <= 0).all()
     for key in ("logps", "entropy", "d_hidden", "d_weight"):
         assert errs[key] <= 1.5 * yard[key] + 1e-3, (key, errs, yard)
+
+
+def test_backend_is_the_deprecated_name_of_implementation():
+    """``backend=`` (the kernels' earlier name for the implementation) still works, warns, and cannot be combined."""
+    from shared_prefix_logps.kernels import logsoftmax_gather
+
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(5, 8, generator=gen), torch.randn(11, 8, generator=gen)
+    targets = torch.randint(0, 11, (5,), generator=gen)
+    expected = linear_logps(hidden, weight, targets, implementation="torch")
+    with pytest.warns(DeprecationWarning, match="implementation"):
+        old = linear_logps(hidden, weight, targets, backend="torch")
+    torch.testing.assert_close(old, expected, rtol=0, atol=0)
+    with pytest.warns(DeprecationWarning, match="implementation"):
+        old = logsoftmax_gather(hidden @ weight.T, targets, backend="torch")
+    torch.testing.assert_close(old, logsoftmax_gather(hidden @ weight.T, targets, implementation="torch"))
+    with pytest.raises(TypeError, match="implementation"):
+        linear_logps(hidden, weight, targets, implementation="torch", backend="torch")

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from triton_cpu import BACKENDS, TRITON_OK, interpret_triton_on_cpu  # noqa: F401 (autouse fixture)
+from triton_cpu import IMPLEMENTATIONS, TRITON_OK, interpret_triton_on_cpu  # noqa: F401 (autouse fixture)
 
-from shared_prefix_logps.kernels import _backend, logsoftmax_gather, resolve_backend
+from shared_prefix_logps.kernels import implementation as kernel_implementation
+from shared_prefix_logps.kernels import logsoftmax_gather, resolve_implementation
 
 SHAPES = [(37, 1013), (5, 257), (1, 3)]
 
@@ -22,7 +23,7 @@ def reference(logits, targets, temperature=1.0, ignore_index=-100):
     return torch.where(valid, logp, zero), torch.where(valid, entropy, zero)
 
 
-def check_against_reference(logits, targets, backend, *, temperature=1.0, return_entropy=True, **kw):
+def check_against_reference(logits, targets, implementation, *, temperature=1.0, return_entropy=True, **kw):
     """Run op and reference with the same random upstream gradients; return (ours, ref) pairs and logps."""
     gen = torch.Generator().manual_seed(1)
     g_lp = torch.randn(targets.shape, generator=gen, dtype=torch.float64)
@@ -34,7 +35,9 @@ def check_against_reference(logits, targets, backend, *, temperature=1.0, return
     loss_ref.backward()
 
     x = logits.detach().clone().requires_grad_()
-    out = logsoftmax_gather(x, targets, temperature=temperature, return_entropy=return_entropy, backend=backend, **kw)
+    out = logsoftmax_gather(
+        x, targets, temperature=temperature, return_entropy=return_entropy, implementation=implementation, **kw
+    )
     lp, ent = out if return_entropy else (out, None)
     loss = (lp * g_lp.float()).sum() + ((ent * g_ent.float()).sum() if return_entropy else 0)
     loss.backward()
@@ -56,16 +59,18 @@ def make_targets(n, v, gen, ignore=True):
     return t
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("return_entropy", [False, True])
-def test_fp32_matches_float64(backend, shape, temperature, return_entropy):
+def test_fp32_matches_float64(implementation, shape, temperature, return_entropy):
     n, v = shape
     gen = torch.Generator().manual_seed(n * v)
     logits = torch.randn(n, v, generator=gen) * 4
     targets = make_targets(n, v, gen)
-    res = check_against_reference(logits, targets, backend, temperature=temperature, return_entropy=return_entropy)
+    res = check_against_reference(
+        logits, targets, implementation, temperature=temperature, return_entropy=return_entropy
+    )
     assert max_err(res["logps"]) < 1e-5
     if return_entropy:
         assert res["entropy"][0].dtype == torch.float32
@@ -75,14 +80,14 @@ def test_fp32_matches_float64(backend, shape, temperature, return_entropy):
     assert max_err(res["grad"]) <= 1e-4 * grad_ref.abs().max().item()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_half_input_matches_float64_of_same_values(backend, dtype, temperature):
+def test_half_input_matches_float64_of_same_values(implementation, dtype, temperature):
     gen = torch.Generator().manual_seed(3)
     logits = (torch.randn(37, 1013, generator=gen) * 4).to(dtype)
     targets = make_targets(37, 1013, gen)
-    res = check_against_reference(logits, targets, backend, temperature=temperature)
+    res = check_against_reference(logits, targets, implementation, temperature=temperature)
     # The kernels upcast each element exactly and accumulate in float32: float32-level agreement is expected.
     assert max_err(res["logps"]) < 1e-5
     assert max_err(res["entropy"]) < 1e-5
@@ -96,9 +101,9 @@ def test_half_input_matches_float64_of_same_values(backend, dtype, temperature):
     assert excess.max().item() <= 0, f"max excess {excess.max().item()}"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_extreme_logits(backend, temperature):
+def test_extreme_logits(implementation, temperature):
     v = 1013
     gen = torch.Generator().manual_seed(5)
     logits = torch.full((6, v), -1e4)
@@ -112,7 +117,7 @@ def test_extreme_logits(backend, temperature):
     logits[5] = torch.randn(v, generator=gen) * 1e4
     logits[5, :7] = float("-inf")  # a vocabulary mask: zero probability, no nan
     targets[5] = 11
-    res = check_against_reference(logits, targets, backend, temperature=temperature)
+    res = check_against_reference(logits, targets, implementation, temperature=temperature)
     lp, lp_ref = res["logps"]
     assert torch.isfinite(lp).all() and torch.isfinite(res["entropy"][0]).all()
     assert torch.isfinite(res["grad"][0]).all()
@@ -122,8 +127,8 @@ def test_extreme_logits(backend, temperature):
     assert max_err(res["grad"]) < 1e-5
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_log_probs_never_positive(backend):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_log_probs_never_positive(implementation):
     # A dominant target just barely below/above numerical certainty: float32 rounding without the clamp
     # produces tiny positive log-probs here.
     gen = torch.Generator().manual_seed(7)
@@ -131,39 +136,39 @@ def test_log_probs_never_positive(backend):
     targets = torch.randint(0, 257, (64,), generator=gen)
     margin = torch.linspace(10.0, 40.0, 64)
     logits[torch.arange(64), targets] = logits.max(-1).values + margin
-    lp = logsoftmax_gather(logits, targets, backend=backend)
+    lp = logsoftmax_gather(logits, targets, implementation=implementation)
     assert (lp <= 0).all()
     lp_ref, _ = reference(logits, targets)
     assert max_err((lp, lp_ref)) < 1e-6
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_ignored_rows_are_exact_zeros_and_never_read(backend):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_ignored_rows_are_exact_zeros_and_never_read(implementation):
     gen = torch.Generator().manual_seed(9)
     logits = torch.randn(5, 257, generator=gen)
     logits[2] = float("nan")  # garbage in an ignored row must not leak anywhere
     logits[4] = 1e30
     targets = torch.tensor([3, 5, -7, 200, -7])
     x = logits.clone().requires_grad_()
-    lp, ent = logsoftmax_gather(x, targets, return_entropy=True, ignore_index=-7, backend=backend)
+    lp, ent = logsoftmax_gather(x, targets, return_entropy=True, ignore_index=-7, implementation=implementation)
     (lp.sum() + ent.sum()).backward()
     assert lp[2].item() == 0.0 and lp[4].item() == 0.0 and ent[2].item() == 0.0 and ent[4].item() == 0.0
     assert (x.grad[2] == 0).all() and (x.grad[4] == 0).all()
     valid = torch.tensor([0, 1, 3])
-    ref = check_against_reference(logits[valid], targets[valid], backend)
+    ref = check_against_reference(logits[valid], targets[valid], implementation)
     assert torch.equal(lp[valid], ref["logps"][0])
     assert torch.isfinite(x.grad).all()
 
     none_valid = torch.full((3,), -100)
     x = torch.randn(3, 257, requires_grad=True)
-    lp = logsoftmax_gather(x, none_valid, backend=backend)
+    lp = logsoftmax_gather(x, none_valid, implementation=implementation)
     lp.sum().backward()
     assert (lp == 0).all() and (x.grad == 0).all()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("layout", ["row_strided", "column_strided"])
-def test_non_contiguous_logits(backend, layout):
+def test_non_contiguous_logits(implementation, layout):
     gen = torch.Generator().manual_seed(11)
     n, v = 37, 1013
     if layout == "row_strided":
@@ -172,22 +177,24 @@ def test_non_contiguous_logits(backend, layout):
     else:
         logits = (torch.randn(v, n, generator=gen) * 4).t()  # vocabulary not unit-strided
     targets = make_targets(n, v, gen)
-    res = check_against_reference(logits, targets, backend, temperature=0.7)
+    res = check_against_reference(logits, targets, implementation, temperature=0.7)
     assert max_err(res["logps"]) < 1e-5
     assert max_err(res["entropy"]) < 1e-5
     assert max_err(res["grad"]) <= 1e-4 * res["grad"][1].abs().max().item()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("layout", ["contiguous", "row_strided"])
-def test_inplace_backward_overwrites_logits(backend, layout):
+def test_inplace_backward_overwrites_logits(implementation, layout):
     gen = torch.Generator().manual_seed(13)
     n, v = 37, 1013
     base = torch.randn(n, v + (5 if layout == "row_strided" else 0), generator=gen) * 4
     targets = make_targets(n, v, gen)
     leaf = base.clone().requires_grad_()
     logits = (leaf * 1.0)[:, :v]  # a temporary the caller does not need after the op
-    lp, ent = logsoftmax_gather(logits, targets, return_entropy=True, inplace_backward=True, backend=backend)
+    lp, ent = logsoftmax_gather(
+        logits, targets, return_entropy=True, inplace_backward=True, implementation=implementation
+    )
     (lp.sum() + 0.5 * ent.sum()).backward()
     x_ref = base[:, :v].double().requires_grad_()
     lp_ref, ent_ref = reference(x_ref, targets)
@@ -197,13 +204,13 @@ def test_inplace_backward_overwrites_logits(backend, layout):
     assert torch.equal(logits.detach(), leaf.grad[:, :v])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_leading_dims(backend):
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_leading_dims(implementation):
     gen = torch.Generator().manual_seed(17)
     logits = torch.randn(3, 4, 257, generator=gen)
     targets = torch.randint(0, 257, (3, 4), generator=gen)
     targets[1, 2] = -100
-    res = check_against_reference(logits, targets, backend)
+    res = check_against_reference(logits, targets, implementation)
     assert res["logps"][0].shape == (3, 4) and res["entropy"][0].shape == (3, 4)
     assert max_err(res["logps"]) < 1e-5
     assert max_err(res["grad"]) <= 1e-4 * res["grad"][1].abs().max().item()
@@ -212,25 +219,25 @@ def test_leading_dims(backend):
 @pytest.mark.skipif(not TRITON_OK, reason="Triton not importable")
 def test_out_of_range_target_is_nan_on_triton():
     logits = torch.randn(3, 257)
-    lp = logsoftmax_gather(logits, torch.tensor([0, 257, -1]), backend="triton")
+    lp = logsoftmax_gather(logits, torch.tensor([0, 257, -1]), implementation="triton")
     assert lp[0].item() <= 0 and torch.isnan(lp[1:]).all()
 
 
 def test_backend_selection(monkeypatch):
     cpu = torch.empty(2, 3)
     with pytest.raises(ValueError):
-        resolve_backend("cuda", cpu)
-    assert resolve_backend("torch", cpu) == "torch"
+        resolve_implementation("cuda", cpu)
+    assert resolve_implementation("torch", cpu) == "torch"
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     # CPU tensors without the interpreter: auto falls back to torch, a forced Triton refuses.
-    assert resolve_backend("auto", cpu) == "torch"
+    assert resolve_implementation("auto", cpu) == "torch"
     with pytest.raises(RuntimeError):
-        logsoftmax_gather(cpu, torch.tensor([0, 1]), backend="triton")
+        logsoftmax_gather(cpu, torch.tensor([0, 1]), implementation="triton")
     lp = logsoftmax_gather(cpu.normal_(), torch.tensor([0, 1]))
     assert torch.allclose(lp.double(), reference(cpu, torch.tensor([0, 1]))[0])
     if TRITON_OK:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
-        assert resolve_backend("auto", cpu) == "triton"
+        assert resolve_implementation("auto", cpu) == "triton"
 
 
 def test_rejects_bad_arguments():
@@ -263,7 +270,7 @@ def test_cuda_triton_matches_float64(dtype, monkeypatch):
 def test_triton_online_rescaling_over_many_blocks(block, monkeypatch):
     # The interpreter normally covers a row with one block; force 8-16 blocks so the running max, sum and entropy
     # are rescaled as the max moves, including rows whose first blocks are entirely -inf.
-    monkeypatch.setattr(_backend._triton_impl, "BLOCK_V_OVERRIDE", block)
+    monkeypatch.setattr(kernel_implementation._triton_impl, "BLOCK_V_OVERRIDE", block)
     gen = torch.Generator().manual_seed(23)
     n, v = 9, 1013
     logits = torch.randn(n, v, generator=gen) * 4
@@ -299,7 +306,7 @@ def test_kernels_compile_for_cuda_without_a_gpu(dtype):
     # not; compiling both kernels down to a cubin catches such errors on machines without a GPU.
     from triton.runtime.jit import JITFunction
 
-    impl = _backend._triton_impl
+    impl = kernel_implementation._triton_impl
     if not isinstance(impl._SUM, JITFunction):
         pytest.skip("Triton was imported with TRITON_INTERPRET=1, so its own library cannot be compiled")
     ptr = f"*{dtype}"
@@ -349,10 +356,10 @@ def test_launches_are_guarded_by_the_tensors_device(monkeypatch):
     """Every Triton launch runs under the device guard of the tensor it reads (a model spread over GPUs)."""
     import importlib
 
-    from shared_prefix_logps import _triton_utils
+    from shared_prefix_logps.kernels import _triton_utils
 
     # The package re-exports the function under the module's name, so the module is taken from sys.modules.
-    module = importlib.import_module("shared_prefix_logps.kernels.logsoftmax_gather")
+    module = importlib.import_module("shared_prefix_logps.kernels.triton_logsoftmax_gather")
 
     guarded = []
     real_guard = _triton_utils.device_guard
@@ -368,12 +375,12 @@ def test_launches_are_guarded_by_the_tensors_device(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     logits = torch.randn(3, 70, requires_grad=True)
     targets = torch.tensor([1, 5, 69])
-    logsoftmax_gather(logits, targets, backend="triton").sum().backward()
+    logsoftmax_gather(logits, targets, implementation="triton").sum().backward()
     assert guarded == [logits.device, logits.device]
 
 
 def test_device_guard_selects_the_tensors_gpu():
-    from shared_prefix_logps._triton_utils import device_guard
+    from shared_prefix_logps.kernels._triton_utils import device_guard
 
     class OnSecondGpu:  # stands in for a CUDA tensor: the guard reads only these two attributes
         is_cuda = True

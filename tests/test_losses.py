@@ -3,13 +3,15 @@
 Three references for every loss type:
   * TRL 1.16's own ``GRPOTrainer._compute_loss``, called unbound on a stand-in ``self`` that provides the attributes it
     reads (no model, no trainer) and returns our tensors from ``_get_per_token_logps_and_entropies``;
-  * ``trl_grpo_loss``, our transcription of the same formula;
+  * ``trl_reference.trl_grpo_loss``, our transcription of the same formula;
   * ``grpo_loss`` on the full batch, which the micro-batch and DDP runs must reproduce (value and gradient).
 Everything is float64 so that 1e-10 tolerances are meaningful.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
 import socket
 import time
@@ -21,16 +23,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from trl_reference import trl_grpo_loss
 
+from shared_prefix_logps.integrations.trl.loss import micro_batch_counts as trl_micro_batch_counts
 from shared_prefix_logps.losses import (
     LOSS_TYPES,
+    GRPOLossOptions,
     global_sequence_count,
     global_token_count,
     grpo_loss,
+    grpo_loss_with_options,
     high_entropy_mask,
-    trl_grpo_loss,
-    trl_micro_batch_counts,
 )
+from shared_prefix_logps.losses.aggregation import SUMS_AND_NORMALIZERS
+from shared_prefix_logps.losses.policy_terms import POLICY_TERMS
 
 TOL = {"atol": 1e-10, "rtol": 1e-10}
 DT = torch.float64
@@ -549,3 +555,138 @@ def test_ddp_two_process_gloo_matches_full_batch(tmp_path):
             for name, param in policy.named_parameters():
                 assert param.grad.abs().max() > 1e-4, (loss_type, name)
                 torch.testing.assert_close(result[loss_type][name], param.grad, **TOL, msg=f"{loss_type} {name}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GRPOLossOptions and grpo_loss_with_options
+# ---------------------------------------------------------------------------------------------------------------------
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(GRPOLossOptions))
+
+
+def _split_options(kw):
+    """grpo_loss keyword arguments -> (GRPOLossOptions, the remaining tensor/count arguments)."""
+    options = GRPOLossOptions(**{k: v for k, v in kw.items() if k in OPTION_NAMES})
+    return options, {k: v for k, v in kw.items() if k not in OPTION_NAMES}
+
+
+def test_grpo_loss_keywords_are_the_options():
+    """grpo_loss keeps one keyword per option, with the option's default: the two entries cannot drift apart."""
+    params = inspect.signature(grpo_loss).parameters
+    for field in dataclasses.fields(GRPOLossOptions):
+        assert params[field.name].kind is inspect.Parameter.KEYWORD_ONLY, field.name
+        assert params[field.name].default == field.default, field.name
+    assert set(POLICY_TERMS) == set(LOSS_TYPES) == set(SUMS_AND_NORMALIZERS)
+
+
+@pytest.mark.parametrize("cfg_name", list(CONFIGS))
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_grpo_loss_with_options_equals_grpo_loss(loss_type, cfg_name):
+    """Bit for bit, in value, metrics and gradients, also under global counts and num_processes."""
+    cfg = CONFIGS[cfg_name]
+    batch = make_batch(seed=4)
+    q = cfg.get("top_entropy_quantile", 1.0)
+    emask = high_entropy_mask(batch["entropies"], batch["completion_mask"], q) if q < 1.0 else None
+    kw = _loss_kwargs(loss_type, cfg, batch, emask)
+    kw.update(num_items_in_batch=torch.tensor(90), num_sequences_in_batch=13, num_processes=2)
+    if emask is not None:
+        kw["num_entropy_items_in_batch"] = 17
+    want = grpo_loss(*_positional(batch), **kw)
+    options, tensors = _split_options(kw)
+    got = grpo_loss_with_options(*_positional(batch), options, **tensors)
+
+    assert torch.equal(got.loss, want.loss) and got.metrics() == want.metrics()
+    for g, w in zip(_grads(got.loss, batch), _grads(want.loss, batch), strict=True):
+        assert (g is None and w is None) or torch.equal(g, w)
+
+
+def test_options_are_frozen_and_keyword_only():
+    options = GRPOLossOptions(loss_type="grpo", beta=0.04)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.beta = 0.0
+    with pytest.raises(TypeError):
+        GRPOLossOptions("grpo")
+    assert dataclasses.replace(options, beta=0.0).beta == 0.0 and options.beta == 0.04
+    assert options == GRPOLossOptions(loss_type="grpo", beta=0.04) and hash(options) == hash(
+        GRPOLossOptions(loss_type="grpo", beta=0.04)
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"loss_type": "ppo"}, ValueError, "unknown loss_type"),
+        ({"loss_type": "dr_grpo"}, ValueError, "max_completion_length"),
+        ({"importance_sampling_level": "row"}, ValueError, "importance_sampling_level"),
+        ({"epsilon_low": "0.2"}, TypeError, "epsilon_low"),
+        ({"epsilon_high": True}, TypeError, "epsilon_high"),
+        ({"beta": None}, TypeError, "beta"),
+        ({"delta": "2"}, TypeError, "delta"),
+        ({"off_policy_mask_threshold": float("nan")}, ValueError, "off_policy_mask_threshold"),
+        ({"entropy_coef": float("inf")}, ValueError, "entropy_coef"),
+        ({"use_bias_correction_kl": 1}, TypeError, "use_bias_correction_kl"),
+        ({"max_completion_length": 12.0}, TypeError, "max_completion_length"),
+        ({"max_completion_length": 0}, ValueError, "max_completion_length"),
+        ({"num_processes": 0}, ValueError, "num_processes"),
+        ({"num_processes": 2.0}, TypeError, "num_processes"),
+        ({"sapo_temperature_neg": 0.0}, ValueError, "sapo_temperature_neg"),
+        ({"vespo_k_pos": None}, TypeError, "vespo_k_pos"),
+    ],
+)
+def test_options_validation_names_the_argument(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        GRPOLossOptions(**kwargs)
+    # grpo_loss validates through the same object, before touching any tensor
+    batch = make_batch()
+    with pytest.raises(error, match=match):
+        grpo_loss(*_positional(batch), **kwargs)
+
+
+def test_options_accept_ints_and_none_where_configs_hold_them():
+    options = GRPOLossOptions(loss_type="dr_grpo", beta=0, epsilon_high=5, max_completion_length=12, delta=None)
+    assert options.beta == 0 and options.max_completion_length == 12
+    batch = make_batch()
+    with pytest.raises(TypeError, match="GRPOLossOptions"):
+        grpo_loss_with_options(*_positional(batch), {"loss_type": "dapo"})
+    with pytest.raises(ValueError, match="ref_per_token_logps"):
+        grpo_loss_with_options(*_positional(batch), GRPOLossOptions(beta=0.1))
+
+
+def test_trl_loss_options_read_every_setting_from_the_trainer():
+    """The TRL plug-in's options carry the trainer's values (none left at a default), the entropy coefficient TRL
+    applies to this micro-batch, and num_processes 1 (TRL's token count carries that factor)."""
+    from shared_prefix_logps.integrations.trl.loss import loss_options
+
+    args = types.SimpleNamespace(
+        delta=1.7,
+        use_bias_correction_kl=False,
+        sapo_temperature_pos=0.9,
+        sapo_temperature_neg=1.2,
+        vespo_k_pos=1.1,
+        vespo_lambda_pos=2.1,
+        vespo_k_neg=3.1,
+        vespo_lambda_neg=4.1,
+        entropy_target=0.5,
+    )
+    trainer = types.SimpleNamespace(
+        args=args,
+        loss_type="sapo",
+        epsilon_low=0.15,
+        epsilon_high=0.3,
+        beta=0.02,
+        importance_sampling_level="sequence",
+        off_policy_mask_threshold=0.4,
+        max_completion_length=33,
+        entropy_coef=0.03,
+        _entropy_bonus_enabled=True,
+        use_adaptive_entropy=True,
+        _last_world_entropy=0.4,  # below the target: the adaptive controller applies the coefficient
+    )
+    options = loss_options(trainer)
+    defaults = GRPOLossOptions()
+    for name in OPTION_NAMES:
+        if name != "num_processes":
+            assert getattr(options, name) != getattr(defaults, name), name
+    assert options.entropy_coef == 0.03 and options.num_processes == 1 and options.delta == 1.7
+    trainer._last_world_entropy = 0.6
+    assert loss_options(trainer).entropy_coef == 0.0

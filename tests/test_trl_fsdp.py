@@ -147,7 +147,7 @@ def test_two_process_fsdp2_matches_unpatched(tmp_path):
 
 
 class _FixedAgreement:
-    """A one-process stand-in for :class:`~shared_prefix_logps.integrations._trl_fsdp.Lockstep`: the other
+    """A one-process stand-in for :class:`~shared_prefix_logps.integrations.common.lockstep.Lockstep`: the other
     processes' largest value is ``others``."""
 
     def __init__(self, others):
@@ -159,7 +159,7 @@ class _FixedAgreement:
 
 @pytest.mark.parametrize("others", [0, 4])
 def test_padded_groups_share_one_shape_and_keep_every_row(others):
-    from shared_prefix_logps.integrations._trl_fsdp import padded_groups
+    from shared_prefix_logps.integrations.common.rows import padded_groups
 
     # rows of three prompts, shuffled: [5, 6] x3, [7] (left-padded) x1, [8, 9] x2
     prompt_ids = torch.tensor([[5, 6], [0, 7], [8, 9], [5, 6], [8, 9], [5, 6]])
@@ -191,7 +191,7 @@ def test_chunked_mode_refuses_fsdp1_deepspeed_and_megatron():
 
     from accelerate.utils import DistributedType
 
-    from shared_prefix_logps.integrations.trl import _check_chunked_supported
+    from shared_prefix_logps.integrations.trl.checks import check_chunked_supported
 
     def trainer(kind, fsdp_version=None):
         plugin = None if fsdp_version is None else SimpleNamespace(fsdp_version=fsdp_version)
@@ -199,12 +199,12 @@ def test_chunked_mode_refuses_fsdp1_deepspeed_and_megatron():
         return SimpleNamespace(accelerator=accelerator, args=SimpleNamespace())
 
     with pytest.raises(NotImplementedError, match="FSDP2"):
-        _check_chunked_supported(trainer(DistributedType.FSDP, fsdp_version=1))
+        check_chunked_supported(trainer(DistributedType.FSDP, fsdp_version=1))
     for kind in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
         with pytest.raises(NotImplementedError, match="does not support"):
-            _check_chunked_supported(trainer(kind))
+            check_chunked_supported(trainer(kind))
     with pytest.raises(NotImplementedError, match="lacks"):  # FSDP2 passes the engine check
-        _check_chunked_supported(trainer(DistributedType.FSDP, fsdp_version=2))
+        check_chunked_supported(trainer(DistributedType.FSDP, fsdp_version=2))
 
 
 def test_both_modes_refuse_deepspeed_zero3():
@@ -214,7 +214,7 @@ def test_both_modes_refuse_deepspeed_zero3():
 
     from accelerate.utils import DistributedType
 
-    from shared_prefix_logps.integrations.trl import _check_not_zero3
+    from shared_prefix_logps.integrations.trl.checks import check_not_zero3
 
     def trainer(kind, stage=None):
         plugin = None if stage is None else SimpleNamespace(zero_stage=stage)
@@ -223,8 +223,8 @@ def test_both_modes_refuse_deepspeed_zero3():
         )
 
     with pytest.raises(NotImplementedError, match="ZeRO-3"):
-        _check_not_zero3(trainer(DistributedType.DEEPSPEED, stage=3))
+        check_not_zero3(trainer(DistributedType.DEEPSPEED, stage=3))
     for stage in (0, 1, 2):
-        _check_not_zero3(trainer(DistributedType.DEEPSPEED, stage=stage))
-    _check_not_zero3(trainer(DistributedType.FSDP))
-    _check_not_zero3(trainer(DistributedType.NO))
+        check_not_zero3(trainer(DistributedType.DEEPSPEED, stage=stage))
+    check_not_zero3(trainer(DistributedType.FSDP))
+    check_not_zero3(trainer(DistributedType.NO))

@@ -25,13 +25,16 @@ if version("trl").startswith("1.15.") and not torch.cuda.is_available() and os.e
 from distributed_setup import set_rank_environment  # noqa: E402
 from trl_tiny import make_trainer, record_training, scripted_generate  # noqa: E402
 
-from shared_prefix_logps.integrations import _trl_chunked, _trl_ddp, _trl_utils  # noqa: E402
-from shared_prefix_logps.integrations._trl_chunked import regroup_rows  # noqa: E402
-from shared_prefix_logps.integrations.trl import (  # noqa: E402
+from shared_prefix_logps.integrations.common import ddp as common_ddp  # noqa: E402
+from shared_prefix_logps.integrations.common.rows import regroup_rows  # noqa: E402
+from shared_prefix_logps.integrations.trl import (  # noqa: E402  # noqa: E402
     SelfCheckError,
+    fp32_head,
     patch_grpo_trainer,
     unpatch_grpo_trainer,
 )
+from shared_prefix_logps.integrations.trl import chunked as trl_chunked  # noqa: E402
+from shared_prefix_logps.integrations.trl import loss as trl_loss
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -215,13 +218,13 @@ def test_self_check_raises_on_mismatch(trainer):
 
 
 def test_chunked_self_check_catches_a_wrong_loss(tmp_path, monkeypatch):
-    real = _trl_chunked.trl_micro_batch_counts
+    real = trl_loss.micro_batch_counts
 
     def doubled(*args, **kwargs):
         counts = real(*args, **kwargs)
         return {**counts, "num_items_in_batch": counts["num_items_in_batch"] * 2}
 
-    monkeypatch.setattr(_trl_chunked, "trl_micro_batch_counts", doubled)
+    monkeypatch.setattr(trl_loss, "micro_batch_counts", doubled)
     trainer = make_trainer(tmp_path, max_steps=1)
     patch_grpo_trainer(trainer, mode="chunked")
     with pytest.raises(SelfCheckError, match="does not reproduce TRL"):
@@ -269,7 +272,7 @@ def test_bad_options_and_unsupported_chunked_setups(trainer, tmp_path):
 
 def test_fp32_lm_head_under_bf16_autocast(tmp_path, monkeypatch):
     """``cast_lm_head_to_fp32`` runs TRL's head in float32 outside autocast; the shared path's head must too."""
-    from shared_prefix_logps import head
+    from shared_prefix_logps.kernels import fused_head as head
 
     # transformers 4.x TrainingArguments exports its precision as ACCELERATE_MIXED_PRECISION; without this the
     # variable outlives the test and later trainers (the DDP test's spawned workers too) run under bf16 autocast.
@@ -292,7 +295,7 @@ def test_fp32_lm_head_under_bf16_autocast(tmp_path, monkeypatch):
     with torch.no_grad():
         ours = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, keep)[0]
         assert seen == [(torch.float32, torch.float32, False)]
-        _trl_utils.remove_fp32_head(patch.fp32_heads[0])  # what the head would do without the shim
+        fp32_head.remove_fp32_head(patch.fp32_heads[0])  # what the head would do without the shim
         trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, keep)
         assert seen[1][2] is True  # under autocast: a bfloat16 matmul
     assert patch.stats.self_checks[0].passed
@@ -337,7 +340,7 @@ def _ddp_worker(rank, port, path, results):
             mock.patch.object(
                 GRPOTrainer, "training_step", autospec=True, side_effect=GRPOTrainer.training_step
             ) as step,
-            mock.patch.object(_trl_ddp, "average_gradients", side_effect=_trl_ddp.average_gradients) as averaging,
+            mock.patch.object(trl_chunked, "average_gradients", side_effect=common_ddp.average_gradients) as averaging,
         ):
             run = record_training(trainer)
         assert type(trainer.model_wrapped).__name__ == "DistributedDataParallel"
@@ -503,13 +506,13 @@ def test_chunked_loss_check_waits_for_a_non_zero_gradient(tmp_path):
 
 
 def test_chunked_self_check_catches_a_wrong_loss_after_a_zero_gradient_micro_batch(tmp_path, monkeypatch):
-    real = _trl_chunked.trl_micro_batch_counts
+    real = trl_loss.micro_batch_counts
 
     def doubled(*args, **kwargs):
         counts = real(*args, **kwargs)
         return {**counts, "num_items_in_batch": counts["num_items_in_batch"] * 2}
 
-    monkeypatch.setattr(_trl_chunked, "trl_micro_batch_counts", doubled)
+    monkeypatch.setattr(trl_loss, "micro_batch_counts", doubled)
     _flat_first_rewards.calls = 0
     trainer = make_trainer(tmp_path, max_steps=2, reward_func=_flat_first_rewards)
     patch_grpo_trainer(trainer, mode="chunked")

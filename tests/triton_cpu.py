@@ -2,10 +2,13 @@
 
 import pytest
 
-from shared_prefix_logps.kernels import _backend
+from shared_prefix_logps.kernels import implementation as kernel_implementation
 
-TRITON_OK = _backend._triton_impl is not None
-BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not TRITON_OK, reason="Triton not importable"))]
+TRITON_OK = kernel_implementation._triton_impl is not None
+IMPLEMENTATIONS = [
+    "torch",
+    pytest.param("triton", marks=pytest.mark.skipif(not TRITON_OK, reason="Triton not importable")),
+]
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..memory import peak_memory
+from .memory import peak_memory
 from .methods import METHODS, Batch, method_unavailable
 
 

@@ -6,21 +6,21 @@ import math
 
 import torch
 
-from ._backend import resolve_backend, stats_backward, stats_forward
+from .implementation import implementation_argument, resolve_implementation, stats_backward, stats_forward
 
 
 class LogsoftmaxGatherFunction(torch.autograd.Function):
     """Autograd node over 2-D logits; saves the logits plus per-row float32 statistics."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature, return_entropy, ignore_index, inplace_backward, backend):
+    def forward(ctx, logits, targets, temperature, return_entropy, ignore_index, inplace_backward, implementation):
         inv_t = 1.0 / temperature
-        logps, norm, entropy = stats_forward(logits, targets, inv_t, ignore_index, return_entropy, backend)
+        logps, norm, entropy = stats_forward(logits, targets, inv_t, ignore_index, return_entropy, implementation)
         ctx.save_for_backward(logits, targets, norm, entropy)
         ctx.inv_t = inv_t
         ctx.ignore_index = ignore_index
         ctx.inplace_backward = inplace_backward
-        ctx.backend = backend
+        ctx.implementation = implementation
         ctx.return_entropy = return_entropy
         if return_entropy:
             return logps, entropy
@@ -44,7 +44,7 @@ class LogsoftmaxGatherFunction(torch.autograd.Function):
             ctx.inv_t,
             ctx.ignore_index,
             ctx.inplace_backward,
-            ctx.backend,
+            ctx.implementation,
         )
         return d_logits, None, None, None, None, None, None
 
@@ -57,7 +57,8 @@ def logsoftmax_gather(
     return_entropy: bool = False,
     ignore_index: int = -100,
     inplace_backward: bool = False,
-    backend: str = "auto",
+    implementation: str = "auto",
+    backend: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-prob of each target under ``softmax(logits / temperature)``, without materialising the log-softmax.
 
@@ -70,8 +71,9 @@ def logsoftmax_gather(
         return_entropy: also return the entropy ``-sum p log p`` of the tempered distribution.
         inplace_backward: let backward write d logits over the logits buffer (saves a (N, V) allocation); only
             safe when nothing else needs those logits after this call, and backward runs once (no retain_graph).
-        backend: ``"auto"`` (Triton on CUDA, or on CPU under ``TRITON_INTERPRET=1``; torch otherwise), ``"triton"``
-            or ``"torch"``.
+        implementation: ``"auto"`` (Triton on CUDA, or on CPU under ``TRITON_INTERPRET=1``; torch otherwise),
+            ``"triton"`` or ``"torch"``.
+        backend: deprecated name of ``implementation``.
     Returns:
         float32 log-probs shaped like ``targets``, never > 0; or ``(logps, entropy)`` when ``return_entropy``.
         Differentiable w.r.t. ``logits`` (the gradient has ``logits.dtype``).
@@ -80,7 +82,8 @@ def logsoftmax_gather(
         raise ValueError(f"temperature must be positive and finite, got {temperature}")
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree")
-    resolve_backend(backend, logits, targets)  # fail early on an impossible forced backend
+    implementation = implementation_argument(implementation, backend, "logsoftmax_gather")
+    resolve_implementation(implementation, logits, targets)  # fail early on an impossible forced implementation
     out_shape = targets.shape
     logits_2d = logits.reshape(-1, logits.shape[-1])
     result = LogsoftmaxGatherFunction.apply(
@@ -90,7 +93,7 @@ def logsoftmax_gather(
         return_entropy,
         int(ignore_index),
         inplace_backward,
-        backend,
+        implementation,
     )
     if return_entropy:
         return result[0].reshape(out_shape), result[1].reshape(out_shape)

@@ -4,7 +4,7 @@
 ``TRITON_INTERPRET=1`` after this package was imported (as tests do) would then have no effect, so kernels are
 written as plain functions and wrapped by ``LazyKernel``, which decorates them on first launch in each mode.
 Triton's own jit'd library functions (``tl.max``, ``tl.sum``) are fixed at import the same way, so kernels meant to
-run in both modes avoid them (see ``kernels/logsoftmax_gather.py``).
+run in both modes avoid them (see ``triton_logsoftmax_gather.py``).
 """
 
 from __future__ import annotations

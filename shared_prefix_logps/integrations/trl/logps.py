@@ -16,9 +16,11 @@ import inspect
 
 import torch
 
-from ..api import compute_logps_concatenated
-from ..model_support import UnsupportedModelError, unwrap_causal_lm
-from ._trl_utils import AutocastForward, SelfCheckError, compare, dropout_active, eval_mode, layout_problem
+from ...api import compute_logps_concatenated
+from ...model_support import UnsupportedModelError, unwrap_causal_lm
+from ..common.modules import AutocastForward, dropout_active, eval_mode
+from ..common.rows import layout_problem
+from ..common.self_check import SelfCheckError, compare
 
 # Arguments the shared path understands; any other argument that is not None (images, token types ...) falls back.
 _HANDLED = ("model", "input_ids", "attention_mask", "logits_to_keep", "batch_size", "compute_entropy")
@@ -107,12 +109,12 @@ class LogpsPatch:
         return result
 
     def _in_step(self, model):
-        """Under FSDP, join the block's no-grad forwards of ``model`` with the other processes' (``_trl_fsdp``)."""
+        """Under FSDP, join the block's no-grad forwards of ``model`` with the other processes' (``.distributed``)."""
         lockstep = self.patch.lockstep
         return contextlib.nullcontext() if lockstep is None else lockstep.forwards(model)
 
     def _agreed_reason(self, reason, attention_mask, logits_to_keep):
-        """FSDP: the processes fall back together, if any of them has a reason to (``_trl_fsdp``)."""
+        """FSDP: the processes fall back together, if any of them has a reason to (``.distributed``)."""
         if reason is None and torch.is_grad_enabled() and not _has_prefix(attention_mask, logits_to_keep):
             # Phase 1 would not run on this process: its graph, and so its backward, would differ from the others'
             reason = "every prompt is a single token (FSDP: no prefix to forward)"

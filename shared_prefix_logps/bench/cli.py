@@ -48,10 +48,10 @@ def _device_name(device: torch.device) -> str:
 
 
 def _bench(args) -> int:
-    from .bench.methods import METHODS
-    from .bench.report import markdown_table, write_json, write_plots
-    from .bench.runner import Shape, find_max_generations, run_sweep
+    from .methods import METHODS
     from .presets import build_preset
+    from .report import markdown_table, write_json, write_plots
+    from .runner import Shape, find_max_generations, run_sweep
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -175,7 +175,7 @@ def main(argv=None) -> int:
     bench.add_argument(
         "--max-generations", action="store_true", help="also find the largest G that fits per method (train)"
     )
-    demo = sub.add_parser("demo", help="the CPU/GPU demo (same as python -m shared_prefix_logps.demo)")
+    demo = sub.add_parser("demo", help="the CPU/GPU demo (same as python -m shared_prefix_logps.bench.demo)")
     demo.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     if args.command == "demo":

@@ -8,15 +8,15 @@ training step calls in between:
 
 - ``trainer.compute_loss``: instead of one graph over the micro-batch, the rows are regrouped by prompt and
   ``chunked_backward`` runs forward+backward chunk by chunk with ``shared_prefix_logps.losses.grpo_loss`` under
-  ``trl_micro_batch_counts``, so that the chunk losses sum to exactly TRL's micro-batch loss (its per-micro-batch
-  normalizers, ``/ gradient_accumulation_steps`` included). It returns TRL's own loss value, computed by TRL's
-  ``_compute_loss`` on the (detached) log-probs, which also logs every metric once per micro-batch as usual.
+  ``micro_batch_counts`` (``.loss``), so that the chunk losses sum to exactly TRL's micro-batch loss (its
+  per-micro-batch normalizers, ``/ gradient_accumulation_steps`` included). It returns TRL's own loss value, computed by
+  TRL's ``_compute_loss`` on the (detached) log-probs, which also logs every metric once per micro-batch as usual.
   Outside training (evaluation runs it without gradient) it is the trainer's own;
 - ``trainer.accelerator.backward``: skipped for that returned (already back-propagated) loss; any other loss is
-  back-propagated as usual. Under DDP the gradients are then averaged at the accumulation boundary (``_trl_ddp``).
+  back-propagated as usual. Under DDP the gradients are then averaged at the accumulation boundary (``.distributed``).
 
 Under FSDP2 the chunked calls go through the sharded model and FSDP reduce-scatters as usual; the micro-batch then
-runs as one ``chunked_backward`` call of a shape all processes agree on, so that they stay in step (``_trl_fsdp``).
+runs as one ``chunked_backward`` call of a shape all processes agree on, so that they stay in step (``.distributed``).
 
 The loss gradient is checked against TRL's own (``self_check``): TRL's ``_compute_loss`` is differentiated with
 respect to leaf log-probs/entropies and compared with ``grpo_loss``'s gradient, on the first micro-batch where TRL's
@@ -31,19 +31,14 @@ import contextlib
 
 import torch
 
-from ..api import compute_logps_concatenated
-from ..chunked import chunked_backward
-from ..losses import grpo_loss, trl_micro_batch_counts
-from ._trl_ddp import sync_bypassed_ddp, unwrap_ddp
-from ._trl_fsdp import padded_groups
-from ._trl_utils import (
-    AutocastForward,
-    SelfCheckError,
-    compare,
-    dropout_active,
-    instance_attribute,
-    layout_problem,
-)
+from ...api import compute_logps_concatenated
+from ...chunked import chunked_backward
+from ..common.ddp import average_gradients, unwrap_ddp
+from ..common.modules import AutocastForward, dropout_active
+from ..common.patching import instance_attribute
+from ..common.rows import layout_problem, padded_groups, regroup_rows
+from ..common.self_check import SelfCheckError, compare
+from .loss import MicroBatchLoss
 
 # Input keys of multimodal batches; the chunked path only serves text.
 _MULTIMODAL_KEYS = (
@@ -58,154 +53,6 @@ _MULTIMODAL_KEYS = (
     "mm_token_type_ids",
     "image_position_ids",
 )
-
-# Trainer attributes the loss reproduction reads (TRL 1.15 / 1.16 names).
-REQUIRED_TRAINER_ATTRIBUTES = (
-    "loss_type",
-    "epsilon_low",
-    "epsilon_high",
-    "beta",
-    "importance_sampling_level",
-    "top_entropy_quantile",
-    "off_policy_mask_threshold",
-    "max_completion_length",
-    "temperature",
-    "get_high_entropy_mask",
-    "_compute_loss",
-)
-REQUIRED_ARGS = (
-    "delta",
-    "use_bias_correction_kl",
-    "steps_per_generation",
-    "sapo_temperature_pos",
-    "sapo_temperature_neg",
-    "vespo_k_pos",
-    "vespo_lambda_pos",
-    "vespo_k_neg",
-    "vespo_lambda_neg",
-)
-
-
-def regroup_rows(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Group a shuffled micro-batch's rows by identical prompt, bucketed by group size.
-
-    ``chunked_backward`` takes G consecutive completion rows per prompt; a TRL micro-batch has its rows shuffled
-    and may hold only part of a group (groups are split over micro-batches and processes), so group sizes differ.
-    Each bucket holds the groups of one size g and is served by one ``chunked_backward`` call with G = g; every
-    prompt still goes through the model once.
-
-    Args:
-        prompt_ids: (B, P) int64, left-padded. prompt_mask: (B, P) 0/1 or bool.
-
-    Returns:
-        List of ``(first_rows, rows)``: ``first_rows`` (n,) int64 one row per prompt of the bucket (its prompt is
-        ``prompt_ids[first_rows]``), ``rows`` (n * g,) int64 the micro-batch rows, g consecutive per prompt, in
-        their original order within a group.
-    """
-    key = prompt_ids.masked_fill(prompt_mask == 0, -1)  # pad != any real token id
-    _, group = torch.unique(key, dim=0, return_inverse=True)
-    sizes = torch.bincount(group)
-    row_size = sizes[group]
-    # Sort rows by (group size, group), stable: rows of one group become consecutive, in their original order.
-    order = torch.argsort(row_size * sizes.numel() + group, stable=True)
-    buckets = []
-    start = 0
-    sorted_sizes = row_size[order].tolist()
-    while start < len(sorted_sizes):
-        size = sorted_sizes[start]
-        count = sorted_sizes.count(size)  # sizes are sorted: this bucket is one contiguous run
-        rows = order[start : start + count]
-        buckets.append((rows[::size], rows))
-        start += count
-    return buckets
-
-
-def entropy_coefficient(trainer) -> float:
-    """The entropy-bonus coefficient TRL's ``_compute_loss`` applies to this micro-batch.
-
-    Read before TRL's own ``_compute_loss`` runs for the metrics: the adaptive controller may update it there, and
-    the update is meant for the next optimizer step.
-    """
-    if not getattr(trainer, "_entropy_bonus_enabled", False):
-        return 0.0
-    if getattr(trainer, "use_adaptive_entropy", False):
-        return trainer.entropy_coef if trainer._last_world_entropy <= trainer.args.entropy_target else 0.0
-    return float(trainer.entropy_coef)
-
-
-def loss_settings(trainer) -> dict:
-    """The static ``grpo_loss`` keyword arguments from the trainer's attributes (TRL names in brackets)."""
-    args = trainer.args
-    return dict(
-        loss_type=trainer.loss_type,
-        epsilon_low=trainer.epsilon_low,
-        epsilon_high=trainer.epsilon_high,
-        delta=args.delta,
-        beta=trainer.beta,
-        use_bias_correction_kl=args.use_bias_correction_kl,
-        importance_sampling_level=trainer.importance_sampling_level,
-        off_policy_mask_threshold=trainer.off_policy_mask_threshold,
-        sapo_temperature_pos=args.sapo_temperature_pos,
-        sapo_temperature_neg=args.sapo_temperature_neg,
-        vespo_k_pos=args.vespo_k_pos,
-        vespo_lambda_pos=args.vespo_lambda_pos,
-        vespo_k_neg=args.vespo_k_neg,
-        vespo_lambda_neg=args.vespo_lambda_neg,
-        max_completion_length=trainer.max_completion_length,
-    )
-
-
-class MicroBatchLoss:
-    """TRL's micro-batch loss as a function of any subset of its rows; summed over a partition of the rows it is
-    TRL's loss of the whole micro-batch (``trl_micro_batch_counts``)."""
-
-    def __init__(self, trainer, inputs, loss_mask, entropy_mask):
-        self.settings = loss_settings(trainer)
-        self.entropy_coef = entropy_coefficient(trainer)
-        self.loss_mask = loss_mask
-        self.entropy_mask = entropy_mask
-        self.counts = trl_micro_batch_counts(
-            loss_mask,
-            loss_type=trainer.loss_type,
-            num_items_in_batch=inputs["num_items_in_batch"],
-            current_gradient_accumulation_steps=trainer.current_gradient_accumulation_steps,
-            steps_per_generation=trainer.args.steps_per_generation,
-            num_processes=trainer.accelerator.num_processes,
-            entropy_mask=entropy_mask,
-            training=True,
-        )
-        self.advantages = inputs["advantages"]
-        self.old = inputs.get("old_per_token_logps")
-        self.ref = inputs.get("ref_per_token_logps") if trainer.beta != 0.0 else None
-        self.sampling = inputs.get("sampling_per_token_logps")
-        if trainer.loss_type == "vespo":
-            self.is_ratio = inputs.get("importance_sampling_ratio")
-        elif getattr(trainer, "use_vllm", False) and getattr(trainer, "vllm_importance_sampling_correction", False):
-            self.is_ratio = inputs["importance_sampling_ratio"]
-        else:
-            self.is_ratio = None
-
-    def __call__(self, logps: torch.Tensor, entropies: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Loss of micro-batch ``rows`` (k,) given their (k, C) log-probs and entropies (differentiable)."""
-
-        def take(tensor):
-            return None if tensor is None else tensor[rows]
-
-        out = grpo_loss(
-            logps,
-            take(self.old),
-            self.advantages[rows],
-            self.loss_mask[rows],
-            ref_per_token_logps=take(self.ref),
-            importance_sampling_ratio=take(self.is_ratio),
-            sampling_per_token_logps=take(self.sampling),
-            entropy_mask=take(self.entropy_mask),
-            entropies=entropies,
-            entropy_coef=self.entropy_coef,
-            **self.counts,
-            **self.settings,
-        )
-        return out.loss
 
 
 def unsupported_reason(trainer, model, inputs) -> str | None:
@@ -234,7 +81,7 @@ class ChunkedStep:
     Args:
         patch: the ``GRPOPatch`` handle.
         logps_patch: the installed ``LogpsPatch`` (its ``original`` method serves the self-check).
-        previous_compute_loss, previous_backward: the methods without the patch (:class:`~._trl_utils.Unpatched`),
+        previous_compute_loss, previous_backward: the methods without the patch (:class:`~..common.patching.Unpatched`),
             for micro-batches the chunked path does not serve.
     """
 
@@ -244,6 +91,8 @@ class ChunkedStep:
         self.previous_compute_loss = previous_compute_loss
         self.previous_backward = previous_backward
         self.skip_backward = False
+        # the DDP wrapper a grad-enabled call bypassed since the last gradient averaging (see .distributed)
+        self.bypassed_ddp = None
         self.checked = False  # the loss-gradient self-check ran (on a micro-batch with a non-zero TRL gradient)
         self.logps_checked = False  # the chunked log-probs were compared with TRL's (on a micro-batch with a token)
 
@@ -255,8 +104,16 @@ class ChunkedStep:
             result = None
         else:
             result = self.previous_backward(loss, **kwargs)
-        sync_bypassed_ddp(self.patch)
+        self._sync_bypassed_ddp()
         return result
+
+    def _sync_bypassed_ddp(self) -> None:
+        """If a grad-enabled call bypassed DDP since the last sync and this micro-batch ends the accumulation
+        window, average the gradients now (what DDP's synchronizing backward computes)."""
+        ddp = self.bypassed_ddp
+        if ddp is not None and self.patch.trainer.accelerator.sync_gradients:
+            average_gradients([p for p in ddp.parameters() if p.requires_grad], ddp.process_group)
+            self.bypassed_ddp = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         trainer = self.patch.trainer
@@ -290,8 +147,8 @@ class ChunkedStep:
         loss_mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         width = completion_ids.shape[1]
         inner, ddp = unwrap_ddp(model)
-        if ddp is not None:  # see _trl_ddp: forward the inner module, average at the accumulation boundary
-            patch.bypassed_ddp = ddp
+        if ddp is not None:  # see .distributed: forward the inner module, average at the accumulation boundary
+            self.bypassed_ddp = ddp
         forward_model = AutocastForward(inner, accelerator.autocast)
 
         entropy_mask = None
@@ -322,7 +179,7 @@ class ChunkedStep:
         return trl_loss.detach()
 
     def _in_step(self, model):
-        """Under FSDP, join the block's no-grad forwards of ``model`` with the other processes' (``_trl_fsdp``)."""
+        """Under FSDP, join the block's no-grad forwards of ``model`` with the other processes' (``.distributed``)."""
         lockstep = self.patch.lockstep
         return contextlib.nullcontext() if lockstep is None else lockstep.forwards(model)
 
@@ -410,7 +267,7 @@ class ChunkedStep:
 
     def _padded_chunked_backward(self, forward_model, inputs, loss_of_rows, logps, entropies, scale, scaler):
         """FSDP: the micro-batch as one ``chunked_backward`` call whose shape all processes share
-        (:func:`~._trl_fsdp.padded_groups`), so that they forward and back-propagate in step. Writes the real rows'
+        (:func:`~..common.rows.padded_groups`), so that they forward and back-propagate in step. Writes the real rows'
         log-probs and entropies into ``logps``/``entropies``; returns the float64 sum of the chunk losses."""
         patch = self.patch
         prompts, prompts_mask, completions, completions_mask, slot_rows, generations = padded_groups(

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from .kernels._backend import resolve_backend, stats_backward, stats_forward
+from .implementation import implementation_argument, resolve_implementation, stats_backward, stats_forward
 
 # Rows are compacted before the autograd node, so the statistics see no ignored rows; this id matches none, so a
 # stray negative id still fails loudly (nan / index error) instead of being silently skipped.
@@ -129,7 +129,7 @@ class LinearLogpsFunction(torch.autograd.Function):
     """Autograd node of the chunked head over already-compacted rows (every target is a real token id)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, return_entropy, chunk_size, backend):
+    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, return_entropy, chunk_size, implementation):
         n = hidden.shape[0]
         inv_t = 1.0 / temperature
         logps = torch.empty(n, dtype=torch.float32, device=hidden.device)
@@ -138,7 +138,7 @@ class LinearLogpsFunction(torch.autograd.Function):
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             logits, _ = _chunk_logits(hidden[start:end], weight, bias, softcap, keep_tanh=False)
-            lp, nm, ent = stats_forward(logits, targets[start:end], inv_t, _NO_IGNORE, return_entropy, backend)
+            lp, nm, ent = stats_forward(logits, targets[start:end], inv_t, _NO_IGNORE, return_entropy, implementation)
             logps[start:end] = lp
             norm[:, start:end] = nm
             if return_entropy:
@@ -149,7 +149,7 @@ class LinearLogpsFunction(torch.autograd.Function):
         ctx.softcap = softcap
         ctx.return_entropy = return_entropy
         ctx.chunk_size = chunk_size
-        ctx.backend = backend
+        ctx.implementation = implementation
         if return_entropy:
             return logps, entropy
         return logps
@@ -188,7 +188,7 @@ class LinearLogpsFunction(torch.autograd.Function):
                 ctx.inv_t,
                 _NO_IGNORE,
                 True,
-                ctx.backend,
+                ctx.implementation,
             )
             if tanh is not None:
                 # d/dx [c * tanh(x / c)] = 1 - tanh^2, computed in tanh's buffer to avoid another chunk tensor.
@@ -220,7 +220,8 @@ def linear_logps(
     return_entropy: bool = False,
     chunk_size: int | None = None,
     ignore_index: int = -100,
-    backend: str = "auto",
+    implementation: str = "auto",
+    backend: str | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs (and entropy) of ``targets`` under ``hidden @ weight.T (+ bias)``, chunked over tokens.
 
@@ -235,8 +236,9 @@ def linear_logps(
         return_entropy: also return ``-sum p log p`` of the tempered distribution.
         chunk_size: rows per chunk; None picks it so one chunk's float32 logits take about 256 MiB.
         ignore_index: target value of rows to skip.
-        backend: per-chunk statistics by ``"triton"`` kernels, ``"torch"``, or ``"auto"`` (Triton on CUDA, or on
-            CPU under ``TRITON_INTERPRET=1``).
+        implementation: per-chunk statistics by ``"triton"`` kernels, ``"torch"``, or ``"auto"`` (Triton on CUDA,
+            or on CPU under ``TRITON_INTERPRET=1``).
+        backend: deprecated name of ``implementation``.
     Returns:
         float32 log-probs shaped like ``targets`` (always <= 0), or ``(logps, entropy)`` when ``return_entropy``.
         Differentiable w.r.t. ``hidden``, ``weight`` and ``bias`` (through the entropy too).
@@ -252,7 +254,8 @@ def linear_logps(
         raise ValueError(f"hidden has {hidden_2d.shape[0]} rows but targets has {flat_targets.shape[0]}")
     if weight.dim() != 2 or weight.shape[1] != hidden_2d.shape[1]:
         raise ValueError(f"weight must be (V, {hidden_2d.shape[1]}), got {tuple(weight.shape)}")
-    resolve_backend(backend, hidden, weight)  # fail early on an impossible forced backend
+    implementation = implementation_argument(implementation, backend, "linear_logps")
+    resolve_implementation(implementation, hidden, weight)  # fail early on an impossible forced implementation
 
     n = flat_targets.shape[0]
     keep = (flat_targets != ignore_index).nonzero().squeeze(1)
@@ -293,7 +296,7 @@ def linear_logps(
                 softcap,
                 return_entropy,
                 chunk_size,
-                backend,
+                implementation,
             )
         outs = result if return_entropy else (result,)
 

@@ -5,7 +5,7 @@ log-sum-exp, the entropy and the target's log-prob together. Backward reads the 
 ``d logits``, optionally over the logits themselves. One program per row; only the unit stride of the vocabulary
 dimension is required (rows may be strided, e.g. a slice of a larger logits buffer).
 
-This module needs Triton; ``kernels/_backend.py`` decides whether it is used.
+This module needs Triton; ``implementation.py`` decides whether it is used.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from .._triton_utils import LazyKernel, device_guard, interpret_enabled, next_power_of_2
+from ._triton_utils import LazyKernel, device_guard, interpret_enabled, next_power_of_2
 
 # Reductions go through tl.reduce with Triton's own combine functions instead of tl.max / tl.sum: those two are
 # jit functions decorated when triton.language is imported, so they only work in the mode (compiled or
@@ -45,8 +45,8 @@ def _logsoftmax_gather_fwd_kernel(
     loop_end = tl.where(valid, n_cols, 0)
 
     # Running raw max m and, in the frame c = m (0 while m is -inf) with d = (x - c) / T:
-    # s = sum exp(d) and w = sum exp(d) * d. Shifting before scaling keeps |x| ~ 1e4 exact (see _torch_reference),
-    # and a shifted w avoids the cancellation of lse - E[z] in the entropy.
+    # s = sum exp(d) and w = sum exp(d) * d. Shifting before scaling keeps |x| ~ 1e4 exact (see
+    # torch_logsoftmax_gather), and a shifted w avoids the cancellation of lse - E[z] in the entropy.
     m = float("-inf")
     s = 0.0
     w = 0.0

@@ -1,9 +1,10 @@
 """The main job in one command: shared-prefix vs dense log-probs on a GRPO-shaped batch.
 
-``python -m shared_prefix_logps.demo`` builds a random model from a config (nothing downloaded), makes a batch of
-left-padded prompts of different lengths with G right-padded completions each, and runs a training-shaped step
-(forward + backward of a log-prob loss) both ways. It prints the largest log-prob difference, the tokens each path
-forwards, and the wall-time and peak-memory ratios. On CPU it uses the ``tiny`` preset; with CUDA a bigger one.
+``python -m shared_prefix_logps.bench.demo`` (``make demo``) builds a random model from a config (nothing downloaded),
+makes a batch of left-padded prompts of different lengths with G right-padded completions each, and runs a
+training-shaped step (forward + backward of a log-prob loss) both ways. It prints the largest log-prob difference, the
+tokens each path forwards, and the wall-time and peak-memory ratios. On CPU it uses the ``tiny`` preset; with CUDA a
+bigger one.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import time
 
 import torch
 
-from . import compute_logps
-from .bench.runner import Shape, make_batch
+from .. import compute_logps
 from .memory import peak_memory
 from .presets import PRESETS, build_preset
+from .runner import Shape, make_batch
 
 
 def _step(model, batch, backend):

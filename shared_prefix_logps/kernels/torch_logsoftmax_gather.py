@@ -1,7 +1,7 @@
 """Pure-torch log-softmax-gather statistics: the fallback wherever the Triton kernels cannot run.
 
 Both functions mirror the Triton kernels' contract exactly (same inputs, same outputs, same masking and clamping)
-so callers can switch backends without caring which one ran. They upcast the whole (N, V) block to float32, so
+so callers can switch implementations without caring which one ran. They upcast the whole (N, V) block to float32, so
 callers that care about memory (the chunked head) hand them one chunk at a time.
 
 Numerics shared with the kernels: the row maximum is subtracted from the *raw* logits before the temperature is

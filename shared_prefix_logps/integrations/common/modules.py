@@ -1,0 +1,52 @@
+"""Module-level helpers a plug-in wraps the trainer's model with: mixed-precision forwards, dropout detection,
+temporary eval mode."""
+
+from __future__ import annotations
+
+import contextlib
+
+from torch import nn
+
+
+class AutocastForward(nn.Module):
+    """Runs the wrapped model's forward under ``autocast()`` (accelerate's mixed-precision context), nothing else.
+
+    Trainers on accelerate (TRL) run the model's forward inside ``accelerator.autocast()`` and its backward outside.
+    Wrapping the model (instead of the whole call) keeps that split when forward and backward interleave (chunked
+    backward). To ``shared_prefix_logps`` it looks like a DDP wrapper (a ``module`` child, no ``config``): the causal LM
+    is found inside, and every call still goes through the wrapped module's own forward.
+    """
+
+    def __init__(self, module: nn.Module, autocast):
+        super().__init__()
+        self.module = module
+        self._autocast = autocast
+
+    def forward(self, *args, **kwargs):
+        with self._autocast():
+            return self.module(*args, **kwargs)
+
+
+def dropout_active(model: nn.Module) -> bool:
+    """Whether a forward of ``model`` in its current mode is random (dropout modules or attention dropout)."""
+    for module in model.modules():
+        if not module.training:
+            continue
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        config = getattr(module, "config", None)
+        if config is not None and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module):
+    """``model.eval()`` for the block, then every submodule's own ``training`` flag restored."""
+    flags = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, flag in flags:
+            module.training = flag

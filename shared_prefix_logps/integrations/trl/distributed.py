@@ -1,0 +1,38 @@
+"""TRL's trainer under DDP and FSDP.
+
+DDP. ``mode="logps"`` calls the DDP-wrapped model as TRL does: the phases' results leave through the model's outputs, so
+DDP's reducer sees one ordinary graph per micro-batch and reduces the gradients itself (communication hooks and
+overlap included; tests/test_trl_integration.py checks it reduces without help from here).
+
+The chunked mode cannot: it calls the model several times with several backwards per micro-batch, and every extra
+backward of a synchronizing step would all-reduce again. So its grad-enabled calls run ``ddp.module`` (DDP's reducer is
+then not armed, its hooks do nothing), and at the accumulation boundary (``accelerator.sync_gradients``) the accumulated
+gradients are averaged over processes, which is what DDP's synchronizing backward computes. The averaging runs right
+after the micro-batch's backward (``ChunkedStep.backward``, installed as ``accelerator.backward``), so ``training_step``
+stays the trainer's own and clipping and the optimizer step see averaged gradients. Averaging is idempotent: if DDP
+itself synchronized in that step (a micro-batch that fell back to TRL's path through DDP), averaging again leaves the
+gradients unchanged. Not reproduced in chunked mode: DDP communication hooks (e.g. gradient compression) and the overlap
+of all-reduce with backward.
+
+FSDP. Both modes call the sharded model; FSDP gathers and reduce-scatters as usual, and the processes are kept making
+the same model calls whatever their rows (:mod:`..common.lockstep`): fallbacks agreed, no-grad forwards joined, a
+chunked micro-batch run as one ``chunked_backward`` of a shape all processes share
+(:func:`..common.rows.padded_groups`).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ..common.lockstep import Lockstep
+
+
+def make_lockstep(trainer) -> Lockstep | None:
+    """A :class:`Lockstep` when the trainer's models are sharded by FSDP (accelerate's ``DistributedType.FSDP``), so
+    that every forward is a collective; else None (DDP: forwards are local, only the backward's reduction is
+    collective). DeepSpeed ZeRO-3, where forwards are collectives too, is refused by the plug-in before this runs."""
+    from accelerate.utils import DistributedType
+
+    if not dist.is_initialized() or trainer.accelerator.distributed_type != DistributedType.FSDP:
+        return None
+    return Lockstep(trainer.accelerator.device)

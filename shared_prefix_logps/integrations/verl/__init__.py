@@ -30,7 +30,8 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         "shared_prefix_logps.integrations.verl needs verl (pip install 'shared-prefix-logps[verl]')"
     ) from error
 
-from .._trl_utils import PatchStats, SelfCheck, SelfCheckError
+from ..common.self_check import SelfCheck, SelfCheckError
+from ..common.stats import PatchStats
 from .engine import VerlPatch, get_patch, install, installed, patch_verl_engine, uninstall, unpatch_verl_engine
 from .options import VerlOptions, options_from_environment
 

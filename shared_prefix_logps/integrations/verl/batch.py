@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._trl_utils import layout_problem
+from ..common.rows import layout_problem
 
 
 @dataclass

@@ -21,19 +21,12 @@ import torch
 import torch.distributed as dist
 
 from ...api import compute_logps_concatenated
-from ...model_support import UnsupportedModelError
-from .._trl_fsdp import Lockstep
-from .._trl_utils import (
-    PatchStats,
-    SelfCheckError,
-    WarnOnce,
-    compare,
-    default_tolerance,
-    dropout_active,
-    eval_mode,
-    replace_attribute,
-    restore_attributes,
-)
+from ...errors import UnsupportedModelError
+from ..common.lockstep import Lockstep
+from ..common.modules import dropout_active, eval_mode
+from ..common.patching import replace_attribute, restore_attributes
+from ..common.self_check import SelfCheckError, compare, default_tolerance
+from ..common.stats import PatchStats, WarnOnce
 from .batch import VerlRows, option_problem, read_rows, temperature_groups
 from .options import VerlOptions, options_from_environment
 from .outputs import from_sequences, scatter_rows, to_sequences

@@ -200,3 +200,32 @@ def test_bf16_mixed_precision(model_path):
     assert out["log_probs"].dtype == results["verl"][1]
     stats = get_patch(ours).stats
     assert stats.fallback_calls == 1 and [check.passed for check in stats.self_checks] == [True]
+
+
+def test_model_configured_for_flash_attention_2(model_path):
+    """verl loads models with ``attn_implementation="flash_attention_2"``. flash-attn does not exist on CPU, so the
+    patched engine's model is an sdpa-built one whose config then names flash_attention_2 (what the shared path reads):
+    log-probs and the first training step's gradient norm equal the unpatched sdpa engine's. The self-check is off:
+    verl's own step would call the flash-attn kernel."""
+    from shared_prefix_logps.integrations.verl import get_patch, patch_verl_engine, unpatch_verl_engine
+    from shared_prefix_logps.model_support import unwrap_causal_lm
+
+    ours, theirs = vs.build_engine(model_path), vs.build_engine(model_path)
+    unpatch_verl_engine(theirs)
+    unpatch_verl_engine(ours)
+    patch_verl_engine(ours, self_check=False)
+    unwrap_causal_lm(ours.module).config._attn_implementation = "flash_attention_2"
+    results = []
+    for engine in (ours, theirs):
+        td = vs.batch_options(engine, vs.rollout_batch(seed=19, shuffle=True))
+        logps = response(infer(engine, td)["model_output"]["log_probs"], td)
+        td = vs.batch_options(engine, vs.rollout_batch(seed=20, shuffle=True), infer=False)
+        with engine.train_mode():
+            trained = engine.train_batch(td, loss_function=vs.ppo_loss())
+        results.append((logps, trained["metrics"]["grad_norm"]))
+    (logps, norm), (verl_logps, verl_norm) = results
+    assert (logps - verl_logps).abs().max().item() < 1e-5
+    assert norm == pytest.approx(verl_norm, rel=1e-5)
+    assert unwrap_causal_lm(ours.module).config._attn_implementation == "flash_attention_2"
+    stats = get_patch(ours).stats
+    assert stats.shared_calls == 6 and stats.fallback_calls == 0

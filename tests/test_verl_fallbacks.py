@@ -242,10 +242,10 @@ def test_engine_subclass(model_path):
 
 
 def test_switched_off_by_environment(model_path, monkeypatch):
-    """``SHARED_PREFIX_LOGPS=off``: the import hook leaves every engine to verl's own step, silently."""
+    """``SHARED_PREFIX_LOGPS_MODE=off``: the import hook leaves every engine to verl's own step, silently."""
     from shared_prefix_logps.integrations.verl import get_patch
 
-    monkeypatch.setenv("SHARED_PREFIX_LOGPS", "off")
+    monkeypatch.setenv("SHARED_PREFIX_LOGPS_MODE", "off")
     engine = vs.build_engine(model_path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -21,16 +21,19 @@ def test_options_from_environment():
     assert options_from_environment({}) == VerlOptions()
     options = options_from_environment(
         {
-            "SHARED_PREFIX_LOGPS": "on",
+            "SHARED_PREFIX_LOGPS_MODE": "logps",
             "SHARED_PREFIX_LOGPS_BACKEND": "Expand",
             "SHARED_PREFIX_LOGPS_SELF_CHECK": "0",
             "SHARED_PREFIX_LOGPS_TOKEN_BUDGET": "4096",
             "SHARED_PREFIX_LOGPS_TOLERANCE": "1e-2,1e-3",
+            "SHARED_PREFIX_LOGPS_LOG_EVERY": "10",
         }
     )
-    assert options == VerlOptions(True, "expand", False, 4096, (1e-2, 1e-3))
-    assert not options_from_environment({"SHARED_PREFIX_LOGPS": "off"}).enabled
-    for bad in ({"SHARED_PREFIX_LOGPS": "maybe"}, {"SHARED_PREFIX_LOGPS_BACKEND": "dense"}):
+    assert options == VerlOptions(True, "expand", False, 4096, (1e-2, 1e-3), 10)
+    assert not options_from_environment({"SHARED_PREFIX_LOGPS_MODE": "off"}).enabled
+    with pytest.raises(ValueError, match="backward itself"):
+        options_from_environment({"SHARED_PREFIX_LOGPS_MODE": "chunked"})
+    for bad in ({"SHARED_PREFIX_LOGPS_MODE": "maybe"}, {"SHARED_PREFIX_LOGPS_BACKEND": "dense"}):
         with pytest.raises(ValueError):
             options_from_environment(bad)
     with pytest.raises(ValueError):
@@ -78,6 +81,19 @@ def test_uninstall_and_install(model_path):
     infer(fresh)
     assert plugin.get_patch(fresh).stats.shared_calls == 3
     assert plugin.get_patch(engine) is None  # unpatched stays unpatched under the hook
+
+
+def test_statistics_logged(model_path, caplog):
+    """After each self-check, and every ``log_every`` micro-batches: the summary, on the plug-in's logger."""
+    from shared_prefix_logps.integrations.verl import patch_verl_engine
+
+    engine = vs.build_engine(model_path)
+    patch_verl_engine(engine, log_every=2)
+    with caplog.at_level("INFO", logger="shared_prefix_logps.verl"):
+        infer(engine)  # 3 micro-batches: the self-check's log, then one at the second micro-batch
+    messages = [r.getMessage() for r in caplog.records if r.name == "shared_prefix_logps.verl"]
+    assert len(messages) == 2 and all("real tokens forwarded" in m for m in messages), messages
+    assert "self-check log-probs (no grad): passed" in messages[0]
 
 
 def test_self_check_failure_raises(model_path):

@@ -50,5 +50,5 @@ __all__ = [
     "unpatch_verl_engine",
 ]
 
-# The import is the installation (verl's external_lib hook); SHARED_PREFIX_LOGPS=off is honoured per engine.
+# The import is the installation (verl's external_lib hook); SHARED_PREFIX_LOGPS_MODE=off is honoured per engine.
 install()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,8 @@ from ..common.stats import PatchStats, WarnOnce
 from .batch import VerlRows, option_problem, read_rows, temperature_groups
 from .options import VerlOptions, options_from_environment
 from .outputs import from_sequences, scatter_rows, to_sequences
+
+logger = logging.getLogger("shared_prefix_logps.verl")
 
 PATCH_ATTRIBUTE = "_shared_prefix_logps_patch"
 _ORIGINAL_ATTRIBUTE = "_shared_prefix_logps_original"
@@ -117,6 +120,8 @@ class VerlPatch:
         key = "grad" if torch.is_grad_enabled() else "no grad"
         if self.options.self_check and key not in self.checked:
             self.self_check(key, micro_batch, loss_function, rows, logps, entropy, loss)
+            self.log()
+        self.log_periodically()
         output = {"model_output": _detach(model_output), "loss": loss.detach().item(), "metrics": metrics}
         return loss, output
 
@@ -169,7 +174,18 @@ class VerlPatch:
         self.stats.fallback_calls += 1
         self.stats.count_fallback(reason)
         self.warn(f"shared_prefix_logps: falling back to verl's own forward_step: {reason}")
+        self.log_periodically()
         return self.original(micro_batch, loss_function=loss_function, forward_only=forward_only)
+
+    def log(self) -> None:
+        """The statistics, to the ``shared_prefix_logps.verl`` logger (INFO), tagged with the process's rank."""
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        logger.info("shared_prefix_logps (rank %d, %s):\n%s", rank, type(self.engine).__name__, self.stats.summary())
+
+    def log_periodically(self) -> None:
+        every = self.options.log_every
+        if every and (self.stats.shared_calls + self.stats.fallback_calls) % every == 0:
+            self.log()
 
     # -- checks -----------------------------------------------------------------------------------------------------
 
@@ -233,7 +249,7 @@ class VerlPatch:
                 f"{check.mean_abs:.3g}, max |entropy diff| {check.max_abs_entropy}, relative loss diff "
                 f"{loss_diff:.3g}, "
                 f"tolerance {tolerance}. The patched engine would optimize other numbers than verl's; set "
-                "SHARED_PREFIX_LOGPS=off (or call unpatch_verl_engine) and report the model and config."
+                "SHARED_PREFIX_LOGPS_MODE=off (or call unpatch_verl_engine) and report the model and config."
             )
 
     def tolerance(self) -> tuple[float, float]:
@@ -341,12 +357,13 @@ def patch_verl_engine(
     self_check: bool = True,
     token_budget: int | None = None,
     tolerance: tuple[float, float] | None = None,
+    log_every: int = 0,
 ) -> VerlPatch:
     """Serve one engine's ``forward_step`` through the shared-prefix path (an instance attribute), with these options.
 
     Args:
         engine: a built verl ``FSDPEngineWithLMHead`` (the actor's, or the reference model's).
-        backend, self_check, token_budget, tolerance: see :class:`~.options.VerlOptions`.
+        backend, self_check, token_budget, tolerance, log_every: see :class:`~.options.VerlOptions`.
 
     Returns:
         The :class:`VerlPatch` (also what :func:`get_patch` returns).
@@ -369,7 +386,7 @@ def patch_verl_engine(
     previous = engine.__dict__.get(PATCH_ATTRIBUTE)
     if previous is not None and previous.replaced:
         raise ValueError("this engine is patched already; call unpatch_verl_engine(engine) first")
-    patch = VerlPatch(engine, VerlOptions(True, backend, bool(self_check), token_budget, tolerance))
+    patch = VerlPatch(engine, VerlOptions(True, backend, bool(self_check), token_budget, tolerance, log_every))
     replace_attribute(engine, "forward_step", patch.forward_step, patch.replaced)
     setattr(engine, PATCH_ATTRIBUTE, patch)
     return patch

@@ -229,3 +229,31 @@ def test_model_configured_for_flash_attention_2(model_path):
     assert unwrap_causal_lm(ours.module).config._attn_implementation == "flash_attention_2"
     stats = get_patch(ours).stats
     assert stats.shared_calls == 6 and stats.fallback_calls == 0
+
+
+def test_nested_prompts_and_responses(engines):
+    """verl's v1 trainer keeps ``prompts``/``responses`` jagged and has no padded ``attention_mask``: the rows are
+    padded by the plug-in; old log-probs and a ``ppo_loss`` backward equal the unpatched engine's."""
+    from shared_prefix_logps.integrations.verl import get_patch
+
+    patched, _ = engines
+    before = get_patch(patched).stats.shared_calls if get_patch(patched) else 0  # made at the engine's first step
+    results = []
+    for engine in engines:
+        padded = vs.batch_options(engine, vs.rollout_batch(seed=27, shuffle=True))
+        td = vs.nested_layout(vs.batch_options(engine, vs.rollout_batch(seed=27, shuffle=True)))
+        out = infer(engine, td)["model_output"]
+        logps = response(out["log_probs"], padded)
+        td = vs.nested_layout(vs.batch_options(engine, vs.rollout_batch(seed=28, shuffle=True), infer=False))
+        with engine.train_mode():
+            trained = engine.forward_backward_batch(
+                td, loss_function=vs.ppo_loss(entropy_coeff=0.01), forward_only=False
+            )
+            grads = vs.full_gradients(engine)
+        results.append((logps, trained["loss"], grads))
+    (logps, loss, grads), (verl_logps, verl_loss, verl_grads) = results
+    assert (logps - verl_logps).abs().max().item() < 1e-5
+    assert torch.allclose(torch.tensor(loss), torch.tensor(verl_loss), rtol=1e-5, atol=1e-7)
+    worst = max(((grads[n] - g).abs().max() / g.abs().max()).item() for n, g in verl_grads.items())
+    assert worst < 1e-4, worst
+    assert get_patch(patched).stats.shared_calls == before + 6  # 3 + 3 micro-batches, none left to verl

@@ -257,6 +257,18 @@ def rollout_batch(
     return td
 
 
+def nested_layout(td):
+    """The batch as verl's v1 trainer holds it: ``prompts`` and ``responses`` jagged (valid tokens only), no
+    ``attention_mask``."""
+    attention = td["attention_mask"].bool()
+    width = td["responses"].shape[1]
+    for key, mask in (("prompts", attention[:, :-width]), ("responses", attention[:, -width:])):
+        rows = [ids[valid] for ids, valid in zip(td[key], mask)]
+        td[key] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
+    del td["attention_mask"]
+    return td
+
+
 def right_aligned(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded (B, P) rows moved to the start of the row (right padding)."""
     order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)  # valid positions first, in order

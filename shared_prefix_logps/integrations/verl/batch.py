@@ -56,19 +56,30 @@ class VerlRows:
 
 def read_rows(micro_batch) -> tuple[VerlRows | None, str | None]:
     """The rows of ``micro_batch`` (a verl TensorDict after ``left_right_2_no_padding``) and None, or None and the
-    reason they cannot be rebuilt exactly."""
+    reason they cannot be rebuilt exactly.
+
+    ``prompts``/``responses`` come padded with the ``attention_mask`` they were padded with (verl's PPO trainer), or
+    both jagged (verl's v1 trainer): the rows are then padded here, every token valid.
+    """
     keys = set(micro_batch.keys())
-    needed = ("prompts", "responses", "attention_mask", "input_ids", "position_ids")
+    needed = ("prompts", "responses", "input_ids", "position_ids")
     missing = [name for name in needed if name not in keys]
     if missing:
         return None, f"the micro-batch has no {', '.join(missing)} (not a rollout batch, e.g. SFT data)"
-    prompts, responses, attention_mask = micro_batch["prompts"], micro_batch["responses"], micro_batch["attention_mask"]
-    if any(getattr(t, "is_nested", False) for t in (prompts, responses, attention_mask)):
-        return None, "prompts, responses or attention_mask are nested (no padded layout to rebuild rows from)"
-    if prompts.dim() != 2 or responses.dim() != 2 or prompts.shape[0] != responses.shape[0]:
+    prompts, responses = micro_batch["prompts"], micro_batch["responses"]
+    nested = [getattr(t, "is_nested", False) for t in (prompts, responses)]
+    if all(nested):
+        # verl's v1 trainer keeps prompts and responses jagged (no padding at all)
+        input_ids, attention_mask = _pad_nested(prompts, responses)
+    elif any(nested):
+        return None, "one of prompts and responses is nested, the other padded"
+    elif "attention_mask" not in keys or getattr(micro_batch["attention_mask"], "is_nested", False):
+        return None, "padded prompts and responses without a padded attention_mask"
+    elif prompts.dim() != 2 or responses.dim() != 2 or prompts.shape[0] != responses.shape[0]:
         return None, "prompts and responses are not (N, P) and (N, R) tensors"
-    input_ids = torch.cat([prompts, responses], dim=1).long()
-    width = responses.shape[1]
+    else:
+        input_ids, attention_mask = torch.cat([prompts, responses], dim=1).long(), micro_batch["attention_mask"]
+    width = _max_length(responses) if all(nested) else responses.shape[1]
     problem = layout_problem(input_ids, attention_mask, width)
     if problem is not None:
         return None, f"rows are not [left-padded prompt | right-padded response]: {problem}"
@@ -103,10 +114,29 @@ def read_rows(micro_batch) -> tuple[VerlRows | None, str | None]:
         attention_mask=attention_mask.long(),
         response_width=width,
         offsets=offsets,
-        prompt_lens=valid[:, : prompts.shape[1]].sum(dim=1),
+        prompt_lens=valid[:, : input_ids.shape[1] - width].sum(dim=1),
         temperature=temperature,
     )
     return rows, None
+
+
+def _max_length(nested: torch.Tensor) -> int:
+    return int(nested.offsets().diff().max()) if nested.size(0) else 0
+
+
+def _pad_nested(prompts: torch.Tensor, responses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Jagged prompts and responses -> ``[left-padded prompt | right-padded response]`` ids (N, P + R) and mask."""
+    prompt_lens, response_lens = prompts.offsets().diff(), responses.offsets().diff()
+    width_p, width_r = max(_max_length(prompts), 1), _max_length(responses)
+    rows = prompt_lens.numel()
+    device = prompts.values().device
+    columns_p = torch.arange(width_p, device=device)[None, :]
+    prompt_mask = columns_p >= (width_p - prompt_lens)[:, None]
+    response_mask = torch.arange(width_r, device=device)[None, :] < response_lens[:, None]
+    ids = torch.zeros((rows, width_p + width_r), dtype=torch.long, device=device)
+    ids[:, :width_p][prompt_mask] = prompts.values().long()  # row-major order: each row's tokens in order
+    ids[:, width_p:][response_mask] = responses.values().long()
+    return ids, torch.cat([prompt_mask, response_mask], dim=1).long()
 
 
 def temperature_groups(rows: VerlRows) -> list[tuple[float, torch.Tensor | None]]:

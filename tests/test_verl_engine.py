@@ -50,7 +50,7 @@ def test_external_lib_installs_the_patch(engines):
 
     patched, unpatched = engines
     assert plugin.installed()
-    assert FSDPEngineWithLMHead.forward_step is not plugin.engine.verl_forward_step()
+    assert FSDPEngineWithLMHead.forward_step is not plugin.step.verl_forward_step()
     infer(patched, vs.batch_options(patched, vs.rollout_batch()))
     patch = plugin.get_patch(patched)
     assert patch is not None and patch.stats.shared_calls > 0 and patch.stats.fallback_calls == 0

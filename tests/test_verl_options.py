@@ -64,7 +64,7 @@ def test_uninstall_and_install(model_path):
     assert plugin.installed()
     try:
         assert plugin.uninstall() and not plugin.installed()
-        assert FSDPEngineWithLMHead.forward_step is plugin.engine.verl_forward_step()
+        assert FSDPEngineWithLMHead.forward_step is plugin.step.verl_forward_step()
         infer(engine)
         assert plugin.get_patch(engine) is None
         patch = plugin.patch_verl_engine(engine, backend="expand", self_check=False)

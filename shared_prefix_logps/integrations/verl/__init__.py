@@ -18,7 +18,8 @@ print(patch.stats.summary())     # or get_patch(engine).stats under the import h
 unpatch_verl_engine(engine)
 ```
 
-See :mod:`.engine` for what the patched step does and when it falls back to verl's own.
+See :mod:`.step` for what the patched step does and when it falls back to verl's own, :mod:`.install` for the
+hook.
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 from ..common.self_check import SelfCheck, SelfCheckError
 from ..common.stats import PatchStats
-from .engine import VerlPatch, get_patch, install, installed, patch_verl_engine, uninstall, unpatch_verl_engine
+from .install import get_patch, install, installed, patch_verl_engine, uninstall, unpatch_verl_engine
 from .options import VerlOptions, options_from_environment
+from .step import VerlPatch
 
 __all__ = [
     "PatchStats",

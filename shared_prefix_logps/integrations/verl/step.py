@@ -1,4 +1,4 @@
-"""The replacement for verl's ``FSDPEngineWithLMHead.forward_step`` (verl >= 0.8), and how it is installed.
+"""The replacement for verl's ``FSDPEngineWithLMHead.forward_step`` (verl >= 0.8); :mod:`.install` installs it.
 
 Every log-prob verl computes on its FSDP engine (old policy, reference model, and the policy with gradient in
 ``update_actor``) goes through ``forward_step(micro_batch, loss_function, forward_only)``: build the model inputs, run
@@ -25,17 +25,16 @@ from ...api import compute_logps_concatenated
 from ...errors import UnsupportedModelError
 from ..common.lockstep import Lockstep
 from ..common.modules import dropout_active, eval_mode
-from ..common.patching import replace_attribute, restore_attributes
 from ..common.self_check import SelfCheckError, compare, default_tolerance
 from ..common.stats import PatchStats, WarnOnce
 from .batch import VerlRows, option_problem, read_rows, temperature_groups
-from .options import VerlOptions, options_from_environment
+from .options import VerlOptions
 from .outputs import from_sequences, scatter_rows, to_sequences
 
 logger = logging.getLogger("shared_prefix_logps.verl")
 
-PATCH_ATTRIBUTE = "_shared_prefix_logps_patch"
-_ORIGINAL_ATTRIBUTE = "_shared_prefix_logps_original"
+# where install() keeps verl's own forward_step on the function it puts in its place
+ORIGINAL_ATTRIBUTE = "_shared_prefix_logps_original"
 
 
 def engine_class():
@@ -48,10 +47,10 @@ def engine_class():
 def verl_forward_step():
     """verl's own ``FSDPEngineWithLMHead.forward_step`` function, whether or not the class is patched."""
     current = engine_class().__dict__["forward_step"]
-    return getattr(current, _ORIGINAL_ATTRIBUTE, current)
+    return getattr(current, ORIGINAL_ATTRIBUTE, current)
 
 
-def _serves_log_probs(engine) -> bool:
+def serves_log_probs(engine) -> bool:
     """Whether ``engine`` turns its model's logits into log-probs as ``FSDPEngineWithLMHead`` does (a value-head or
     critic engine overrides ``prepare_model_outputs`` and is none of the plug-in's business)."""
     return type(engine).prepare_model_outputs is engine_class().prepare_model_outputs
@@ -293,114 +292,3 @@ def _detach(tree):
     from verl.workers.engine.utils import detach_tree
 
     return detach_tree(tree)
-
-
-# -- installation -------------------------------------------------------------------------------------------------
-
-
-def _class_forward_step(self, micro_batch, loss_function, forward_only):
-    """Installed as ``FSDPEngineWithLMHead.forward_step``: the engine's patch (made from the environment at its first
-    call), or verl's own step for engines the plug-in leaves alone."""
-    original = verl_forward_step()
-    if not _serves_log_probs(self):
-        return original(self, micro_batch, loss_function, forward_only)
-    patch = self.__dict__.get(PATCH_ATTRIBUTE, _UNSET)
-    if patch is _UNSET:
-        options = options_from_environment()
-        patch = VerlPatch(self, options) if options.enabled else None
-        setattr(self, PATCH_ATTRIBUTE, patch)
-    if patch is None:
-        return original(self, micro_batch, loss_function, forward_only)
-    return patch.forward_step(micro_batch, loss_function, forward_only)
-
-
-_UNSET = object()
-
-
-def install() -> bool:
-    """Patch ``FSDPEngineWithLMHead.forward_step`` for every engine (what importing the plug-in does). Returns False
-    if it was patched already."""
-    cls = engine_class()
-    current = cls.__dict__["forward_step"]
-    if getattr(current, _ORIGINAL_ATTRIBUTE, None) is not None:
-        return False
-    wrapper = functools.wraps(current)(
-        lambda self, micro_batch, loss_function, forward_only: _class_forward_step(
-            self, micro_batch, loss_function, forward_only
-        )
-    )
-    setattr(wrapper, _ORIGINAL_ATTRIBUTE, current)
-    cls.forward_step = wrapper
-    return True
-
-
-def uninstall() -> bool:
-    """Undo :func:`install` (engines patched with :func:`patch_verl_engine` keep their patch). Returns False if the
-    class was not patched."""
-    cls = engine_class()
-    original = getattr(cls.__dict__["forward_step"], _ORIGINAL_ATTRIBUTE, None)
-    if original is None:
-        return False
-    cls.forward_step = original
-    return True
-
-
-def installed() -> bool:
-    """Whether ``FSDPEngineWithLMHead.forward_step`` is patched."""
-    return getattr(engine_class().__dict__["forward_step"], _ORIGINAL_ATTRIBUTE, None) is not None
-
-
-def patch_verl_engine(
-    engine,
-    *,
-    backend: str = "auto",
-    self_check: bool = True,
-    token_budget: int | None = None,
-    tolerance: tuple[float, float] | None = None,
-    log_every: int = 0,
-) -> VerlPatch:
-    """Serve one engine's ``forward_step`` through the shared-prefix path (an instance attribute), with these options.
-
-    Args:
-        engine: a built verl ``FSDPEngineWithLMHead`` (the actor's, or the reference model's).
-        backend, self_check, token_budget, tolerance, log_every: see :class:`~.options.VerlOptions`.
-
-    Returns:
-        The :class:`VerlPatch` (also what :func:`get_patch` returns).
-
-    Raises:
-        NotImplementedError: not an ``FSDPEngineWithLMHead`` (Megatron and other engines), or a class that overrides
-            ``forward_step``.
-        ValueError: a value-head (critic) engine, or an engine patched already.
-    """
-    cls = engine_class()
-    if not isinstance(engine, cls):
-        raise NotImplementedError(
-            f"patch_verl_engine supports verl's FSDPEngineWithLMHead only, got {type(engine).__name__} (the Megatron "
-            "and other engines keep verl's own forward_step)"
-        )
-    if not _serves_log_probs(engine):
-        raise ValueError(f"{type(engine).__name__} computes values, not log-probs; nothing to patch")
-    if type(engine).forward_step not in (cls.__dict__["forward_step"], verl_forward_step()):
-        raise NotImplementedError(f"{type(engine).__name__} overrides forward_step; the patch replaces verl's own")
-    previous = engine.__dict__.get(PATCH_ATTRIBUTE)
-    if previous is not None and previous.replaced:
-        raise ValueError("this engine is patched already; call unpatch_verl_engine(engine) first")
-    patch = VerlPatch(engine, VerlOptions(True, backend, bool(self_check), token_budget, tolerance, log_every))
-    replace_attribute(engine, "forward_step", patch.forward_step, patch.replaced)
-    setattr(engine, PATCH_ATTRIBUTE, patch)
-    return patch
-
-
-def unpatch_verl_engine(engine) -> None:
-    """Give ``engine`` verl's own ``forward_step`` back, also when the class is patched by the import hook."""
-    patch = engine.__dict__.get(PATCH_ATTRIBUTE)
-    if patch is not None:
-        restore_attributes(patch.replaced)
-    setattr(engine, PATCH_ATTRIBUTE, None)
-
-
-def get_patch(engine) -> VerlPatch | None:
-    """The engine's :class:`VerlPatch` (its ``stats``), or None if it has none (yet: the import hook makes it at the
-    engine's first ``forward_step``)."""
-    return engine.__dict__.get(PATCH_ATTRIBUTE)

@@ -62,10 +62,10 @@ def read_rows(micro_batch) -> tuple[VerlRows | None, str | None]:
     both jagged (verl's v1 trainer): the rows are then padded here, every token valid.
     """
     keys = set(micro_batch.keys())
-    needed = ("prompts", "responses", "input_ids", "position_ids")
+    needed = ("prompts", "responses", "input_ids", "position_ids", "temperature")
     missing = [name for name in needed if name not in keys]
     if missing:
-        return None, f"the micro-batch has no {', '.join(missing)} (not a rollout batch, e.g. SFT data)"
+        return None, f"the micro-batch has no {', '.join(missing)}"  # SFT data has no prompts/responses
     prompts, responses = micro_batch["prompts"], micro_batch["responses"]
     nested = [getattr(t, "is_nested", False) for t in (prompts, responses)]
     if all(nested):
@@ -99,7 +99,7 @@ def read_rows(micro_batch) -> tuple[VerlRows | None, str | None]:
     expected = torch.arange(int(offsets[-1]), device=offsets.device) - torch.repeat_interleave(offsets[:-1], lengths)
     if positions is None or not torch.equal(positions.long(), expected):
         return None, "position ids other than 0 .. length - 1 per sequence"
-    temperature = micro_batch["temperature"] if "temperature" in keys else 1.0
+    temperature = micro_batch["temperature"]
     if isinstance(temperature, torch.Tensor):
         if temperature.numel() == 1:
             temperature = float(temperature)

@@ -126,8 +126,6 @@ def test_multimodal_inputs(engines):
 
 
 def test_three_d_position_ids(engines):
-    from verl.workers.utils.padding import left_right_2_no_padding
-
     def make(engine):
         td = vs.batch_options(engine, vs.rollout_batch(seed=32))
         # rebuild with (N, 4, L) position ids, as verl's multimodal-RoPE models take them
@@ -137,7 +135,6 @@ def test_three_d_position_ids(engines):
         td["position_ids"] = positions
         return td
 
-    del left_right_2_no_padding
     # a text model's own step fails on them at the first micro-batch, patched or not
     check_fallback(engines, make, "3-D position ids", micro_batches=1)
 

@@ -16,12 +16,16 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+def process_group():
+    vs.use_cpu_platform()
+    vs.init_single_process(free_port())
+
+
+@pytest.fixture(scope="module")
+def engines(process_group, tmp_path_factory):
     """Patched and unpatched twins; micro-batches of 3 rows split the groups of 4 (shuffled or not)."""
     from shared_prefix_logps.integrations.verl import unpatch_verl_engine
 
-    vs.use_cpu_platform()
-    vs.init_single_process(free_port())
     path = vs.save_model(tmp_path_factory.mktemp("llama"), "llama")
     patched, unpatched = (vs.build_engine(path, micro_batch_size=3) for _ in range(2))
     unpatch_verl_engine(unpatched)
@@ -37,14 +41,14 @@ def forward_backward(engine, td, loss_fn):
     return out, grads
 
 
-def compare(engines, loss_fn, *, remove_padding=True, calculate_entropy=True, **batch):
+def compare(engines, loss_fn, *, remove_padding=True, calculate_entropy=True, micro_batches=4, **batch):
     results = []
     for engine in engines:
         td = vs.batch_options(engine, vs.rollout_batch(**batch), infer=False, calculate_entropy=calculate_entropy)
         vs.assign(td, use_remove_padding=remove_padding)
         results.append(forward_backward(engine, td, loss_fn))
     (ours, our_grads), (theirs, their_grads) = results
-    assert len(ours["loss"]) == len(theirs["loss"]) == 4  # 12 rows in micro-batches of 3
+    assert len(ours["loss"]) == len(theirs["loss"]) == micro_batches  # 12 rows in micro-batches of 3 by default
     losses = torch.tensor(ours["loss"], dtype=torch.float64), torch.tensor(theirs["loss"], dtype=torch.float64)
     assert torch.allclose(*losses, rtol=1e-5, atol=1e-7), losses
     vs.assert_metrics_close(ours["metrics"], theirs["metrics"])
@@ -87,7 +91,7 @@ def test_per_row_temperature(engines):
 
 
 @pytest.mark.parametrize("variant", ["checkpointing", "lora"])
-def test_checkpointing_and_lora(tmp_path, variant):
+def test_checkpointing_and_lora(process_group, tmp_path, variant):
     """verl's defaults for its actor: non-reentrant gradient checkpointing; and a LoRA adapter (its gradients only)."""
     from shared_prefix_logps.integrations.verl import unpatch_verl_engine
 
@@ -100,3 +104,15 @@ def test_checkpointing_and_lora(tmp_path, variant):
             vs.randomize_lora(engine)
     loss_fn = vs.ppo_loss(loss_agg_mode="seq-mean-token-sum", entropy_coeff=0.01, use_kl_loss=True)
     compare(pair, loss_fn, shuffle=True, seed=25)
+
+
+def test_dynamic_batch_size(process_group, tmp_path):
+    """``use_dynamic_bsz``: verl packs the (shuffled) rows into micro-batches of at most 48 tokens balanced by
+    workload (3 here), and restores the row order afterwards."""
+    from shared_prefix_logps.integrations.verl import unpatch_verl_engine
+
+    path = vs.save_model(tmp_path, "qwen2")
+    pair = [vs.build_engine(path, dynamic_bsz=True, max_token_len=48) for _ in range(2)]
+    unpatch_verl_engine(pair[1])
+    loss_fn = vs.ppo_loss(loss_agg_mode="token-mean", entropy_coeff=0.01, use_kl_loss=True)
+    compare(pair, loss_fn, shuffle=True, seed=26, micro_batches=3)

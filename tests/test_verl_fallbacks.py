@@ -17,9 +17,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def model_path(tmp_path_factory):
+def process_group():
     vs.use_cpu_platform()
     vs.init_single_process(free_port())
+
+
+@pytest.fixture(scope="module")
+def model_path(process_group, tmp_path_factory):
     return vs.save_model(tmp_path_factory.mktemp("qwen2"), "qwen2")
 
 
@@ -161,7 +165,7 @@ def test_batch_without_prompts(engines):
     check_fallback(engines, make, "no prompts, responses")
 
 
-def test_fused_kernels(tmp_path):
+def test_fused_kernels(process_group, tmp_path):
     """``use_fused_kernels`` (verl's torch-backend fused log-prob forward). verl installs it on the model class (here
     Mistral's, restored afterwards)."""
     from transformers import MistralForCausalLM
@@ -186,7 +190,7 @@ def test_fused_kernels(tmp_path):
     assert isinstance(out, RuntimeError), out
 
 
-def test_unsupported_model(tmp_path):
+def test_unsupported_model(process_group, tmp_path):
     """A model type the shared path does not serve (Starcoder2): verl's step, the first call's reason names it."""
     from shared_prefix_logps.integrations.verl import unpatch_verl_engine
 

@@ -5,6 +5,12 @@
 #   OUT=out bash benchmarks/run_gpu.sh            # every step, one after the other (or: make gpu)
 #   OUT=out bash benchmarks/run_gpu.sh tests      # one step: env tests kernels sweep-score sweep-train maxg
 #
+# `tests` runs every test marked `gpu` in one go; where one call may take only 10 minutes, run its three parts
+# instead (the default sequence does): tests-core (kernel and head parity and the other modules' GPU tests),
+# tests-exact (tests/test_gpu.py: expand, flex and chunked_backward against dense in fp32 and bf16, Gemma2 at head
+# size 256, flex compilation counts under inductor) and tests-memory (peak memory at P=16k, G=64, C=1k; the kernel
+# past 2^31 logits).
+#
 # Works from a bare checkout without installing the package (it puts the repository on PYTHONPATH) and without .git:
 # the commit comes from $GIT_COMMIT, else `git rev-parse HEAD`, else "unknown". Every step records device, versions
 # and commit in $OUT/env.txt. Steps run even if an earlier one failed; the exit code is non-zero if any failed.
@@ -42,9 +48,11 @@ stem() {
     echo "$(date +%F)-$gpu"
 }
 
-step_tests() {
-    echo "== GPU tests"
-    $PY -m pytest tests -m gpu -q -ra -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log"
+step_tests() {  # $1: log name; the rest: pytest selection
+    local name=$1
+    shift
+    echo "== GPU tests ($name)"
+    $PY -m pytest -m gpu -q -ra -p no:cacheprovider "$@" 2>&1 | tee "$OUT/$name.log"
 }
 
 step_kernels() {
@@ -69,17 +77,20 @@ step_maxg() {
 run() {
     case "$1" in
         env) step_env ;;
-        tests) step_tests ;;
+        tests) step_tests gpu-tests tests ;;
+        tests-core) step_tests gpu-tests-core tests --ignore=tests/test_gpu.py ;;
+        tests-exact) step_tests gpu-tests-exact tests/test_gpu.py -k "not peak_memory and not int32" ;;
+        tests-memory) step_tests gpu-tests-memory tests/test_gpu.py -k "peak_memory or int32" -s ;;
         kernels) step_kernels ;;
         sweep-score) step_sweep score ;;
         sweep-train) step_sweep train ;;
         maxg) step_maxg ;;
-        *) echo "unknown step '$1' (env tests kernels sweep-score sweep-train maxg)" >&2; return 2 ;;
+        *) echo "unknown step '$1' (env tests tests-core tests-exact tests-memory kernels sweep-score sweep-train maxg)" >&2; return 2 ;;
     esac
 }
 
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(tests kernels sweep-score sweep-train maxg)
+[ ${#steps[@]} -eq 0 ] && steps=(tests-core tests-exact tests-memory kernels sweep-score sweep-train maxg)
 [ "${steps[0]}" = env ] || step_env || status=1
 for name in "${steps[@]}"; do
     run "$name" || status=1

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .dense import dense_logps
-from .flex import flex_available
+from .attention.dense import dense_logps
+from .attention.flex import backward_available, flex_available
 from .inputs import GroupedBatch, check_options, group_batch, split_concatenated
 from .model_support import PreparedModel, prepare_model
 from .output import LogpsOutput, write_rows
@@ -118,7 +118,7 @@ def resolve_attention_backend(backend: str, device: torch.device) -> str:
     if backend == "flex":
         if not flex_available(device):
             raise ValueError(f"backend='flex' needs torch's flex_attention on {device.type}")
-        if torch.is_grad_enabled() and device.type != "cuda":
+        if torch.is_grad_enabled() and not backward_available(device):
             raise ValueError(
                 "backend='flex' has no backward on CPU (torch's flex_attention); use backend='expand', or call "
                 "under torch.no_grad() for scoring"

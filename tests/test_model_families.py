@@ -7,7 +7,7 @@ from exactness import compare_with_dense, max_relative_grad_error, parameter_gra
 from tiny_models import MORE_FAMILIES, NOT_ROUTED, build_model, make_batch
 
 from shared_prefix_logps import compute_logps
-from shared_prefix_logps.attention import masked_attention
+from shared_prefix_logps.attention.expand import masked_attention
 from shared_prefix_logps.model_support import SUPPORTED_MODEL_TYPES, UnsupportedModelError
 
 # Eager flex_attention on CPU warns that it is unfused; that is expected here.

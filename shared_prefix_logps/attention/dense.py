@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from .inputs import GroupedBatch
-from .model_support import PreparedModel
+from ..inputs import GroupedBatch
+from ..model_support import PreparedModel
 
 
 def dense_logps(

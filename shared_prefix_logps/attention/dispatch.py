@@ -6,6 +6,9 @@ transformers calls it from every attention layer with post-RoPE ``query`` (batch
 - no context: the model's original implementation, untouched (generation and plain forwards);
 - :class:`CaptureContext`: Phase 1, causal attention over the left-padded prompts, recording keys/values;
 - :class:`SharedContext`: Phase 2, completion queries over [group prefix ; own tokens causally].
+
+The attention itself is computed by the phase's backend: ``expand.py`` (SDPA over per-row gathered keys) or
+``flex.py`` (packed rows, one ``flex_attention`` call); the ``dense`` backend (``dense.py``) has no phases.
 """
 
 from __future__ import annotations
@@ -13,11 +16,10 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.nn.functional as F
 
-from . import flex
-from .context import CONTEXT_KWARG, CaptureContext, PhaseHandle, SharedContext, cached
-from .routing import RouteBox, attach
+from ..context import CONTEXT_KWARG, CaptureContext, PhaseHandle, SharedContext
+from ..routing import RouteBox, attach
+from . import expand, flex
 
 #: Prefix of the names under which the function is registered. transformers matches implementation names by substring
 #: ("sdpa", "flash", "flex_attention" switch on special code paths), so none of those may appear in a name.
@@ -122,7 +124,7 @@ def shared_prefix_attention(module, query, key, value, attention_mask, **kwargs)
         if context.packed:
             output = flex.packed_capture_attention(query, key, value, context, window, options)
         else:
-            output = _capture_attention(query, key, value, context, window, options)
+            output = expand.capture_attention(query, key, value, context, window, options)
         if context.finished:
             # An activation-checkpoint recomputation during backward: the first recording is the one Phase 2 built
             # its graph on; the recomputed keys/values only refill that graph's saved tensors.
@@ -134,7 +136,7 @@ def shared_prefix_attention(module, query, key, value, attention_mask, **kwargs)
     if isinstance(context, SharedContext):
         if context.packed:
             return flex.packed_shared_attention(module, query, key, value, context, window, options), None
-        return _shared_expand_attention(module, query, key, value, context, window, options), None
+        return expand.shared_attention(module, query, key, value, context, window, options), None
     raise TypeError(f"{CONTEXT_KWARG} must be a CaptureContext or SharedContext, got {type(context).__name__}")
 
 
@@ -181,110 +183,3 @@ def _sliding_window(module, kwargs):
     if "sliding_window" in kwargs:
         return kwargs["sliding_window"]
     return getattr(module, "sliding_window", None)
-
-
-def _capture_attention(query, key, value, context: CaptureContext, window, options):
-    mask = cached(context, ("prefix", window), lambda: prefix_causal_mask(context, window))
-    return masked_attention(query, key, value, mask, **options)
-
-
-def _shared_expand_attention(module, query, key, value, context: SharedContext, window, options):
-    own_mask = cached(context, ("own", window), lambda: own_causal_mask(context, window))
-    capture = context.capture
-    if capture is None:
-        return masked_attention(query, key, value, own_mask, **options)
-    prefix_key, prefix_value = capture.kv_of(module)
-    rows = context.group_index
-    keys = torch.cat([prefix_key[rows], key], dim=2)
-    values = torch.cat([prefix_value[rows], value], dim=2)
-    mask = cached(
-        context,
-        ("shared", window),
-        lambda: torch.cat([completion_prefix_mask(context, window), own_mask.expand(rows.numel(), -1, -1, -1)], dim=-1),
-    )
-    return masked_attention(query, keys, values, mask, **options)
-
-
-def _window_ok(query_positions, key_positions, window):
-    # transformers' sliding window keeps key k for query q when q - k < window.
-    return (query_positions - key_positions) < window
-
-
-def prefix_causal_mask(context: CaptureContext, window) -> torch.Tensor:
-    """(num_prompts, 1, L, L) bool mask of Phase 1: causal, no padded keys, every query sees at least itself."""
-    length = context.key_valid.shape[1]
-    idx = torch.arange(length, device=context.key_valid.device)
-    mask = (idx[None, :, None] >= idx[None, None, :]) & context.key_valid[:, None, :]
-    if window is not None:
-        pos = context.positions
-        mask = mask & _window_ok(pos[:, :, None], pos[:, None, :], window)
-    # Padded queries would otherwise see no key at all and produce NaN that poisons gradients.
-    mask = mask | torch.eye(length, dtype=torch.bool, device=mask.device)
-    return mask[:, None]
-
-
-def own_causal_mask(context: SharedContext, window) -> torch.Tensor:
-    """(1, 1, C, C) bool mask of a completion row over its own tokens."""
-    length = context.positions.shape[1]
-    idx = torch.arange(length, device=context.positions.device)
-    mask = idx[:, None] >= idx[None, :]
-    if window is not None:
-        mask = mask & _window_ok(idx[:, None], idx[None, :], window)
-    return mask[None, None]
-
-
-def completion_prefix_mask(context: SharedContext, window) -> torch.Tensor:
-    """(rows, 1, C, prefix_len) bool mask of completion queries over their group's prefix keys."""
-    capture = context.capture
-    rows = context.group_index
-    mask = capture.key_valid[rows][:, None, :].expand(-1, context.positions.shape[1], -1)
-    if window is not None:
-        mask = mask & _window_ok(context.positions[:, :, None], capture.positions[rows][:, None, :], window)
-    return mask[:, None]
-
-
-def masked_attention(query, key, value, mask, *, scaling, softcap, dropout, sinks=None) -> torch.Tensor:
-    """Softmax attention with a boolean mask.
-
-    Args:
-        query: (batch, heads, q_len, head_dim).
-        key: (batch, kv_heads, k_len, head_dim); value: (batch, kv_heads, k_len, v_head_dim) (MLA: v_head_dim may
-            differ from head_dim); kv_heads divides heads (grouped-query attention).
-        mask: bool, broadcastable to (batch, 1, q_len, k_len); True where a query may attend. Every query row must
-            have at least one True.
-        scaling: multiplies the scores; softcap: scores -> softcap * tanh(scores / softcap) when not None.
-        sinks: (heads,) attention-sink logits or None; each head's sink joins the softmax denominator of every
-            query (as one more key whose value is zero), so the weights over real keys sum to less than one.
-
-    Returns:
-        (batch, q_len, heads, v_head_dim) in ``query``'s dtype, the layout transformers expects back.
-    """
-    groups = query.shape[1] // key.shape[1]
-    if softcap is None and sinks is None:
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=groups > 1
-        )
-        return out.transpose(1, 2).contiguous()
-    # SDPA takes neither a softcap nor sinks: compute the scores explicitly.
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = _softmax_with_sinks(scores, sinks).to(query.dtype)
-    if dropout:
-        probs = F.dropout(probs, p=dropout)
-    return torch.matmul(probs, value).transpose(1, 2).contiguous()
-
-
-def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
-    """float32 softmax of (batch, heads, q_len, k_len) ``scores`` over keys, with each head's sink logit as one more
-    entry of the denominator when ``sinks`` (heads,) is given; the sink's own weight is dropped (as in transformers'
-    GPT-OSS eager attention). The sink gets its gradient through the denominator."""
-    if sinks is None:
-        return torch.softmax(scores, dim=-1, dtype=torch.float32)
-    sink = sinks.to(torch.float32).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
-    combined = torch.cat([scores.float(), sink], dim=-1)
-    return torch.softmax(combined, dim=-1)[..., :-1]

@@ -1,0 +1,350 @@
+"""The ``flex`` backend: packed layouts and one ``flex_attention`` call per layer.
+
+No padding token is processed and no prefix is copied per completion row. Phase 1 forwards the real prefix tokens
+of all prompts as one packed row; Phase 2 forwards the valid query tokens of all completions as one packed row.
+Each Phase 2 layer attends over ``[packed prefixes ; packed completions]`` under a block mask built from group,
+row and position ids, so blocks that no query needs are skipped.
+
+Lengths are rounded up to a multiple of :data:`LENGTH_BUCKET` inside the attention call (the padded queries see
+nothing and are dropped). On CUDA flex_attention and create_block_mask are compiled once per model configuration
+and grad mode, with dynamic lengths: new shapes, either phase and sliding windows (None or int) reuse the graph.
+Should torch's recompile limit be hit anyway, :class:`FlexRecompileError` is raised instead of torch's silent
+fallback to uncompiled flex_attention (which materializes every score). flex_attention's backward exists on CUDA
+only; on CPU this backend is forward-only and runs uncompiled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+
+import torch
+import torch.nn.functional as F
+
+from ..context import CaptureContext, SharedContext, cached
+
+#: Packed lengths are padded up to a multiple of this inside the attention call (also flex's default block size).
+LENGTH_BUCKET = 128
+
+#: The window given to layers without a sliding window: larger than any position difference, so windowed and
+#: unwindowed layers (Gemma2 alternates them) share one mask function instead of compiling one graph each.
+NO_WINDOW = 2**62
+
+#: torch.compile backend of flex_attention and create_block_mask per device type; None runs them uncompiled. CPU runs
+#: them eagerly (inductor's CPU flex kernel needs a C++ toolchain and gains little at CPU sizes); tests select
+#: "aot_eager" (or a backend that counts its graphs) here to run the compiled path on CPU.
+_COMPILE_BACKENDS: dict[str, object] = {"cuda": "inductor", "cpu": None}
+
+#: flex_attention's backward per device type. torch refuses it on CPU up front, although its dense reference
+#: implementation runs there; tests that lift torch's check set "cpu" here to run training through flex on CPU.
+_BACKWARD_DEVICES = {"cuda"}
+
+
+class FlexRecompileError(RuntimeError):
+    """torch.compile hit its recompile limit on the flex path.
+
+    torch would otherwise run flex_attention uncompiled from then on, which materializes the full (queries x keys)
+    score matrix of every layer: hundreds of GB at long prompts and large G, an out-of-memory error far from the
+    cause, or silently slow steps.
+    """
+
+
+def flex_available(device: torch.device) -> bool:
+    """Whether torch ships flex_attention for this device at all."""
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return device.type in ("cuda", "cpu")
+
+
+def backward_available(device: torch.device) -> bool:
+    """Whether the flex backend can run with gradients on ``device`` (flex_attention's backward exists there)."""
+    return device.type in _BACKWARD_DEVICES
+
+
+def _flex_entry(query, key, value, block_mask, score_mod, scale, enable_gqa, aux):
+    """What is compiled for the attention: flex_attention, with ``aux`` the kwargs that request the log-sum-exp
+    (empty when not requested)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(
+        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, **aux
+    )
+
+
+def _mask_entry(mask_mod, q_len, kv_len, device):
+    """What is compiled for the block mask: create_block_mask over (q_len, kv_len), broadcast over batch and heads.
+    Compiled, the (q_len, kv_len) boolean mask is reduced to blocks without ever being materialized."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(mask_mod, None, None, q_len, kv_len, device)
+
+
+@functools.cache
+def _compiled(entry, backend, configuration):
+    """``entry`` compiled with ``backend``, for one static ``configuration`` (a hashable tuple).
+
+    Dynamo keeps its compilations, and counts them against ``torch._dynamo.config.recompile_limit``, per code object.
+    Each configuration (device, dtype, head counts and sizes, scale, softcap, grad mode: what a model fixes) gets a
+    code object of its own, so that a policy in bfloat16 and a float32 reference, or scoring and training, do not
+    share one budget; within a configuration only the lengths vary, and they are dynamic from the first call
+    (``dynamic=True``). ``fullgraph=True`` turns the recompile limit into an exception instead of an uncompiled
+    fallback (see :func:`_run_compiled`).
+    """
+    code = entry.__code__.replace(co_name=f"{entry.__name__}_{len(_CONFIGURATIONS)}")
+    _CONFIGURATIONS.append((entry.__name__, configuration))
+    fn = types.FunctionType(code, entry.__globals__, code.co_name, entry.__defaults__, entry.__closure__)
+    return torch.compile(fn, backend=backend, dynamic=True, fullgraph=True)
+
+
+# (entry name, configuration) of every compiled code object, in the order they were made.
+_CONFIGURATIONS: list = []
+
+
+def _recompile_limit_errors() -> tuple[type[BaseException], ...]:
+    """The exception types dynamo raises at its recompile limit under fullgraph=True (renamed across versions)."""
+    from torch._dynamo import exc
+
+    names = ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")
+    return tuple(getattr(exc, name) for name in names if hasattr(exc, name))
+
+
+@contextlib.contextmanager
+def _tracing_settings():
+    """Settings under which the flex path's functions are traced (they take effect when a call compiles).
+
+    - Floats (the attention scale, a softcap) are constants of a model and part of the configuration: specialized,
+      they stay out of the graph's inputs (dynamo otherwise traces them as symbolic values, which flex's backward
+      does not take).
+    - No duck sizing: Phase 1 has as many keys as queries, Phase 2 more; with duck sizing the first call would give
+      both lengths one symbol and the other phase would compile again.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
+        from torch.fx.experimental import _config as fx_config
+
+        if hasattr(fx_config, "use_duck_shape"):
+            stack.enter_context(fx_config.patch(use_duck_shape=False))
+        yield
+
+
+def _run_compiled(what: str, fn, *args):
+    """``fn(*args)``, with dynamo's recompile-limit failure turned into a :class:`FlexRecompileError` that says why."""
+    try:
+        with _tracing_settings():
+            return fn(*args)
+    except _recompile_limit_errors() as error:
+        limit = getattr(torch._dynamo.config, "recompile_limit", None)
+        raise FlexRecompileError(
+            f"the flex backend's compiled {what} hit torch._dynamo.config.recompile_limit ({limit}): the shapes or "
+            "guards of its inputs changed more often than the shared-prefix path expects, and torch would fall back "
+            "to uncompiled flex_attention, which materializes every layer's full score matrix. Run with "
+            "TORCH_LOGS=recompiles to see what changed; raise torch._dynamo.config.recompile_limit, or use "
+            "backend='expand'."
+        ) from error
+
+
+def _flex_call(query, key, value, *, block_mask, scale, score_mod, return_lse=False):
+    """flex_attention over (1, heads, q_len, head_dim) queries; with ``return_lse`` also the (1, heads, q_len)
+    float32 log-sum-exp of each query's scores (natural log)."""
+    from torch.nn.attention import flex_attention as flex_module
+
+    enable_gqa = query.shape[1] != key.shape[1]
+    if not return_lse:
+        aux = {}
+    elif hasattr(flex_module, "AuxRequest"):
+        aux = {"return_aux": flex_module.AuxRequest(lse=True)}
+    else:
+        aux = {"return_lse": True}  # torch before AuxRequest
+    backend = _COMPILE_BACKENDS.get(query.device.type)
+    if backend is None:
+        out = _flex_entry(query, key, value, block_mask, score_mod, scale, enable_gqa, aux)
+    else:
+        query, key, value = _same_grad_requirement(query, key, value)
+        configuration = (
+            str(query.device),
+            query.dtype,
+            tuple(query.shape[i] for i in (1, 3)),
+            tuple(key.shape[i] for i in (1, 3)),
+            value.shape[3],
+            scale,
+            getattr(score_mod, "softcap", None),
+            return_lse,
+            torch.is_grad_enabled(),
+        )
+        fn = _compiled(_flex_entry, backend, configuration)
+        out = _run_compiled("flex_attention", fn, query, key, value, block_mask, score_mod, scale, enable_gqa, aux)
+    if "return_aux" in aux:
+        return out[0], out[1].lse
+    return out
+
+
+def _same_grad_requirement(*tensors):
+    """The tensors, all requiring grad when any does (a leaf alias of those that do not).
+
+    Which of query/key/value requires grad is part of a compiled graph's guards; it varies with what is trained
+    (LoRA on some projections only: the first layer's keys come from frozen embeddings), so it is made uniform.
+    The extra gradients are computed in the same backward kernel and dropped.
+    """
+    if (
+        not torch.is_grad_enabled()
+        or all(t.requires_grad for t in tensors)
+        or not any(t.requires_grad for t in tensors)
+    ):
+        return tensors
+    return tuple(t if t.requires_grad else t.detach().requires_grad_() for t in tensors)
+
+
+def _round_up(n: int, device: torch.device) -> int:
+    """``n`` rounded up to whole blocks; compiled, at least two: dynamo specializes dimensions of size 1, so a
+    one-block mask would compile a graph of its own (the padded block is fully masked and skipped)."""
+    blocks = 2 if _COMPILE_BACKENDS.get(device.type) is not None else 1
+    return max(blocks * LENGTH_BUCKET, -(-n // LENGTH_BUCKET) * LENGTH_BUCKET)
+
+
+def _pad_ids(ids: torch.Tensor, length: int, fill: int) -> torch.Tensor:
+    return F.pad(ids, (0, length - ids.shape[0]), value=fill)
+
+
+def _pad_seq(x: torch.Tensor, length: int) -> torch.Tensor:
+    # (1, heads, n, d) -> (1, heads, length, d)
+    return F.pad(x, (0, 0, 0, length - x.shape[2]))
+
+
+def _block_mask(q_groups, q_rows, q_pos, q_order, k_groups, k_rows, k_pos, k_order, window, q_len, kv_len):
+    """BlockMask for queries (q_*, each (q_len,) int64) over keys (k_*, each (kv_len,) int64): same group; prefix
+    keys (row -1) always, own-row keys causally (``k_order <= q_order``); and within the sliding window by positions.
+
+    The eight tensors must be distinct objects (a compiled function guards on which inputs alias each other), and
+    ``window`` (an int or None) travels as a tensor, so that every phase and layer of a model shares one graph.
+    """
+    q_groups, q_rows, q_pos, q_order, k_groups, k_rows, k_pos, k_order = _distinct(
+        q_groups, q_rows, q_pos, q_order, k_groups, k_rows, k_pos, k_order
+    )
+    device = q_groups.device
+    window = torch.tensor(NO_WINDOW if window is None else int(window), device=device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        same_group = q_groups[q_idx] == k_groups[kv_idx]
+        key_row = k_rows[kv_idx]
+        visible = (key_row < 0) | ((key_row == q_rows[q_idx]) & (k_order[kv_idx] <= q_order[q_idx]))
+        return same_group & visible & ((q_pos[q_idx] - k_pos[kv_idx]) < window)
+
+    backend = _COMPILE_BACKENDS.get(device.type)
+    with torch.no_grad():  # grad mode would be one more guard; the mask has no gradient anyway
+        if backend is None:
+            return _mask_entry(mask_mod, q_len, kv_len, device)
+        fn = _compiled(_mask_entry, backend, (str(device),))
+        return _run_compiled("create_block_mask", fn, mask_mod, q_len, kv_len, device)
+
+
+def _distinct(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` with every repeated object replaced by a copy (Phase 1's queries and keys are the same tokens)."""
+    seen = set()
+    out = []
+    for tensor in tensors:
+        out.append(tensor.clone() if id(tensor) in seen else tensor)
+        seen.add(id(tensor))
+    return tuple(out)
+
+
+def _score_mod(softcap):
+    if softcap is None:
+        return None
+
+    def soft_cap(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    soft_cap.softcap = softcap  # part of the compiled configuration (a constant in the graph)
+    return soft_cap
+
+
+def packed_capture_attention(query, key, value, context: CaptureContext, window, options) -> torch.Tensor:
+    """Phase 1, packed: causal attention within each prompt's segment. Returns (1, n, heads, head_dim)."""
+    n = query.shape[2]
+    length = _round_up(n, query.device)
+
+    def build():
+        order = _pad_ids(torch.arange(n, device=query.device), length, length)
+        pos = _pad_ids(context.positions[0], length, 0)
+        q_groups = _pad_ids(context.segments, length, -2)  # padded queries match no key
+        k_groups = _pad_ids(context.segments, length, -1)
+        # Inside a segment the keys are the query's own row (its segment); order gives causality.
+        return _block_mask(q_groups, k_groups, pos, order, k_groups, k_groups, pos, order, window, length, length)
+
+    mask = cached(context, ("flex-prefix", window), build)
+    return _attend(query, key, value, mask, length, n, options)
+
+
+def packed_shared_attention(module, query, key, value, context: SharedContext, window, options) -> torch.Tensor:
+    """Phase 2, packed: completion queries over [their group's packed prefix ; their own row causally]."""
+    n = query.shape[2]
+    capture = context.capture
+    if capture is not None:
+        prefix_key, prefix_value = capture.kv_of(module)
+        key = torch.cat([prefix_key, key], dim=2)
+        value = torch.cat([prefix_value, value], dim=2)
+    num_prefix = key.shape[2] - n
+    q_len, kv_len = _round_up(n, query.device), _round_up(key.shape[2], query.device)
+
+    def build():
+        device = query.device
+        rows = context.query_rows
+        groups = context.group_index[rows]
+        order = torch.arange(n, device=device)
+        pos = context.positions[0]
+        if capture is not None:
+            k_groups = torch.cat([capture.segments, groups])
+            k_rows = torch.cat([torch.full((num_prefix,), -1, device=device, dtype=torch.long), rows])
+            k_pos = torch.cat([capture.positions[0], pos])
+            k_order = torch.cat([torch.zeros(num_prefix, device=device, dtype=torch.long), order])
+        else:
+            k_groups, k_rows, k_pos, k_order = groups, rows, pos, order
+        return _block_mask(
+            _pad_ids(groups, q_len, -2),
+            _pad_ids(rows, q_len, -2),
+            _pad_ids(pos, q_len, 0),
+            _pad_ids(order, q_len, 0),
+            _pad_ids(k_groups, kv_len, -1),
+            _pad_ids(k_rows, kv_len, -3),
+            _pad_ids(k_pos, kv_len, 0),
+            _pad_ids(k_order, kv_len, kv_len),
+            window,
+            q_len,
+            kv_len,
+        )
+
+    mask = cached(context, ("flex-shared", window), build)
+    return _attend(query, key, value, mask, q_len, n, options, kv_len=kv_len)
+
+
+def _attend(query, key, value, block_mask, q_len, n, options, kv_len=None):
+    if options["dropout"]:
+        raise ValueError("the flex backend does not apply attention dropout; use backend='expand'")
+    kv_len = q_len if kv_len is None else kv_len
+    sinks = options.get("sinks")
+    out = _flex_call(
+        _pad_seq(query, q_len),
+        _pad_seq(key, kv_len),
+        _pad_seq(value, kv_len),
+        block_mask=block_mask,
+        scale=options["scaling"],
+        score_mod=_score_mod(options["softcap"]),
+        return_lse=sinks is not None,
+    )
+    if sinks is not None:
+        out = _apply_sinks(*out, sinks)
+    return out[:, :, :n].transpose(1, 2).contiguous()
+
+
+def _apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Renormalize flex's output for attention sinks (a score_mod cannot add a denominator term).
+
+    ``out`` (1, heads, q_len, v_head_dim) is softmax-weighted over the real keys, whose scores have log-sum-exp
+    ``lse`` (1, heads, q_len); a sink logit ``s`` per head adds ``exp(s)`` to the denominator, which scales every
+    weight by ``exp(lse) / (exp(lse) + exp(s)) = sigmoid(lse - s)``. Differentiable in ``out``, ``lse`` and ``sinks``.
+    """
+    factor = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))
+    return (out.float() * factor[..., None]).to(out.dtype)

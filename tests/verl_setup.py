@@ -394,3 +394,8 @@ def randomize_lora(engine, std: float = 0.2, seed: int = 0) -> None:
             if isinstance(param, DTensor):
                 value = distribute_tensor(value, param.device_mesh, param.placements)
             param.copy_(value)
+
+
+# verl's engine modules read the platform's device name when they are imported, and importing the plug-in imports
+# them: the CPU platform has to be in place before any test imports either.
+use_cpu_platform()

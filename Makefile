@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test test-min-transformers lint gpu clean
+.PHONY: demo test test-min-transformers test-verl lint gpu clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,24 @@ test-min-transformers: $(MIN_VENV)/.installed
 		assert V(transformers.__version__) == V('$(MIN_TRANSFORMERS)'), transformers.__version__"
 	$(MIN_PY) -m pytest -p no:cacheprovider -q -ra $(CORE_TESTS)
 
+# The verl plug-in's tests in their own venv: verl pins an older transformers than the other extras. verl is imported
+# before pytest runs, so a broken install fails here instead of skipping every test (and pytest's exit code 5, no
+# test collected, fails the target too).
+VERL_VENV ?= .venv-verl
+VERL_PY := $(VERL_VENV)/bin/python
+VERL_TESTS := tests/test_verl_engine.py tests/test_verl_training.py tests/test_verl_fallbacks.py \
+	tests/test_verl_fsdp.py tests/test_verl_options.py benchmarks/test_verl_bench.py
+
+$(VERL_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_PY) -c "import torch" 2>/dev/null || $(VERL_PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
+	$(VERL_PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,verl]"
+	touch $@
+
+test-verl: $(VERL_VENV)/.installed
+	$(VERL_PY) -c "import verl; print('verl', verl.__version__)"
+	$(VERL_PY) -m pytest -p no:cacheprovider -q -ra $(VERL_TESTS)
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
@@ -51,4 +69,4 @@ gpu:
 	bash benchmarks/run_gpu.sh
 
 clean:
-	rm -rf $(VENV) $(MIN_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(MIN_VENV) $(VERL_VENV) .pytest_cache .ruff_cache

@@ -25,11 +25,8 @@ test: $(VENV)/.installed
 MIN_VENV ?= .venv-min
 MIN_PY := $(MIN_VENV)/bin/python
 MIN_TRANSFORMERS := $(shell sed -n 's/^ *"transformers>=\([0-9.]*\)".*/\1/p' pyproject.toml)
-CORE_TESTS := tests/test_compute_logps.py tests/test_model_guards.py tests/test_model_families.py \
-	tests/test_training_setups.py tests/test_input_errors.py tests/test_flex_and_scoring.py \
-	tests/test_chunked_backward.py tests/test_fsdp.py tests/test_ddp.py tests/test_linear_logps.py \
-	tests/test_logsoftmax_gather.py tests/test_attention_implementations.py tests/test_property_dense.py \
-	tests/test_router_aux_loss.py
+CORE_TESTS := tests/core tests/models tests/backends tests/forward tests/kernels tests/distributed/test_ddp.py \
+	tests/distributed/test_fsdp.py
 
 $(MIN_VENV)/.installed: pyproject.toml
 	@test -n "$(MIN_TRANSFORMERS)" || { echo "no transformers>= bound found in pyproject.toml"; exit 1; }
@@ -48,8 +45,7 @@ test-min-transformers: $(MIN_VENV)/.installed
 # test collected, fails the target too).
 VERL_VENV ?= .venv-verl
 VERL_PY := $(VERL_VENV)/bin/python
-VERL_TESTS := tests/test_verl_engine.py tests/test_verl_training.py tests/test_verl_fallbacks.py \
-	tests/test_verl_fsdp.py tests/test_verl_options.py benchmarks/test_verl_bench.py
+VERL_TESTS := tests/integrations/verl benchmarks/test_verl_bench.py
 
 $(VERL_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VERL_VENV)

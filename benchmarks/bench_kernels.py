@@ -224,7 +224,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print(
             "bench_kernels.py: no CUDA device found; this benchmark times GPU kernels only and was skipped. "
-            "(Correctness on CPU is covered by tests/test_logsoftmax_gather.py and tests/test_linear_logps.py.)",
+            "(Correctness on CPU is covered by tests/kernels/test_logsoftmax_gather.py and "
+            "tests/kernels/test_linear_logps.py.)",
             file=sys.stderr,
         )
         return 0

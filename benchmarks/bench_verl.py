@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-import verl_setup as vs  # noqa: E402
+from support import verl_setup as vs  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -82,7 +82,7 @@ def run(args) -> list[dict]:
 
     torch.set_num_threads(args.threads)
     vs.use_cpu_platform()
-    from distributed_setup import free_port
+    from support.distributed import free_port
 
     vs.init_single_process(free_port())
     path = vs.save_model(tempfile.mkdtemp(prefix="bench_verl_"), args.family)

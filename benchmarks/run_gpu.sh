@@ -7,7 +7,7 @@
 #
 # `tests` runs every test marked `gpu` in one go; where one call may take only 10 minutes, run its three parts
 # instead (the default sequence does): tests-core (kernel and head parity and the other modules' GPU tests),
-# tests-exact (tests/test_gpu.py: expand, flex and chunked_backward against dense in fp32 and bf16, Gemma2 at head
+# tests-exact (tests/gpu/test_gpu.py: expand, flex and chunked_backward against dense in fp32 and bf16, Gemma2 at head
 # size 256, flex compilation counts under inductor) and tests-memory (peak memory at P=16k, G=64, C=1k; the kernel
 # past 2^31 logits).
 #
@@ -78,9 +78,9 @@ run() {
     case "$1" in
         env) step_env ;;
         tests) step_tests gpu-tests tests ;;
-        tests-core) step_tests gpu-tests-core tests --ignore=tests/test_gpu.py ;;
-        tests-exact) step_tests gpu-tests-exact tests/test_gpu.py -k "not peak_memory and not int32" ;;
-        tests-memory) step_tests gpu-tests-memory tests/test_gpu.py -k "peak_memory or int32" -s ;;
+        tests-core) step_tests gpu-tests-core tests --ignore=tests/gpu/test_gpu.py ;;
+        tests-exact) step_tests gpu-tests-exact tests/gpu/test_gpu.py -k "not peak_memory and not int32" ;;
+        tests-memory) step_tests gpu-tests-memory tests/gpu/test_gpu.py -k "peak_memory or int32" -s ;;
         kernels) step_kernels ;;
         sweep-score) step_sweep score ;;
         sweep-train) step_sweep train ;;

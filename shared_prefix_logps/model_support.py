@@ -36,7 +36,8 @@ from .forward.routing import RouteBox, attach
 from .head_weights import UnsupportedHeadError, effective_head, head_state
 
 #: Decoder-only families whose attention goes through transformers' AttentionInterface and whose head the library
-#: reproduces; each is covered by the test suite (tests/test_compute_logps.py, tests/test_model_families.py).
+#: reproduces; each is covered by the test suite (tests/core/test_compute_logps.py,
+#: tests/models/test_model_families.py).
 SUPPORTED_MODEL_TYPES = frozenset(
     {
         "llama",

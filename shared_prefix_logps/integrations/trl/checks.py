@@ -9,7 +9,7 @@ def check_not_zero3(trainer) -> None:
     """Refuse DeepSpeed ZeRO-3 (either mode): its parameter gathers pair up between processes submodule by
     submodule, and the patched trainer's forwards were seen to gather for different submodules on different processes
     (no lm_head gather in some no-grad forwards), so two CPU processes hung in the first backward. A refusal is better
-    than a hang; the core's own calls under ZeRO-3 are tested (tests/test_deepspeed.py)."""
+    than a hang; the core's own calls under ZeRO-3 are tested (tests/distributed/test_deepspeed.py)."""
     try:
         from accelerate.utils import DistributedType
     except ImportError:  # pragma: no cover - TRL needs accelerate

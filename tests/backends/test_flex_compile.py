@@ -1,0 +1,186 @@
+"""The flex backend compiled: a bounded number of compilations over shapes, phases, sliding windows (None and int),
+grad modes and the three ways of calling it, exact against dense, and a loud error at torch's recompile limit.
+
+On CPU the library runs flex uncompiled; these tests select a compile backend for CPU (``aot_eager`` wrapped in a
+counter of the graphs it receives) and lift torch's up-front refusal of flex's backward on CPU (its dense reference
+backward runs there), so the compiled path of the CUDA default is traced here with the same guards.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from support.exactness import max_relative_grad_error, parameter_grads, weighted_loss
+from support.tiny_models import build_model, make_batch
+
+from shared_prefix_logps import LogpsOutput, chunked_backward, compute_logps
+from shared_prefix_logps.backends import flex
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
+
+#: (prompts, generations, prompt length, completion length): packed lengths from one to several blocks of 128 in
+#: both phases, G from 1 to 8, prompts and completions each the longer side.
+SHAPES = [
+    (2, 2, 9, 5),
+    (3, 4, 13, 8),
+    (1, 3, 40, 20),
+    (4, 2, 7, 3),
+    (2, 5, 150, 30),
+    (3, 3, 60, 140),
+    (5, 1, 11, 11),
+    (2, 8, 31, 17),
+]
+
+#: Compilations allowed per model family: one graph per grad mode (scoring, training); none per shape, phase or window.
+FLEX_GRAPHS_PER_FAMILY = 2
+#: Compilations of the block-mask builder in the whole test: it runs without grad and is shared by every model.
+MASK_GRAPHS = 1
+
+
+class GraphCounter:
+    """A torch.compile backend that counts the graphs it compiles (flex_attention graphs and block-mask graphs
+    apart) and hands them to ``aot_eager``."""
+
+    def __init__(self):
+        self.counts = collections.Counter()
+
+    def __call__(self, gm, example_inputs):
+        from torch._dynamo.backends.debugging import aot_eager
+
+        is_flex = any("flex_attention" in str(node.target) for node in gm.graph.nodes)
+        self.counts["flex" if is_flex else "mask"] += 1
+        return aot_eager(gm, example_inputs)
+
+
+@pytest.fixture
+def compiled_on_cpu(monkeypatch):
+    """Compile the flex path on CPU with a counting backend, and allow its backward there."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    counter = GraphCounter()
+    monkeypatch.setitem(flex._COMPILE_BACKENDS, "cpu", counter)
+    monkeypatch.setattr(flex, "_BACKWARD_DEVICES", flex._BACKWARD_DEVICES | {"cpu"})
+    validate = flex_module._validate_device
+
+    def validate_without_cpu_backward_refusal(query, key, value):
+        if query.device.type != "cpu":
+            validate(query, key, value)
+
+    monkeypatch.setattr(flex_module, "_validate_device", validate_without_cpu_backward_refusal)
+    return counter
+
+
+def _run(model, mode, prompts, comps, kwargs, generations):
+    """(logps, parameter grads or None) of ``mode`` with the flex backend."""
+    if mode == "score":
+        with torch.no_grad():
+            return compute_logps(model, prompts, comps, backend="flex", **kwargs).logps, None
+    if mode == "train":
+        out = compute_logps(model, prompts, comps, backend="flex", **kwargs)
+        return out.logps.detach(), parameter_grads(model, weighted_loss(out))
+    model.zero_grad(set_to_none=True)
+    out = chunked_backward(
+        model,
+        prompts,
+        comps,
+        lambda chunk, rows: weighted_loss(_in_full_batch(chunk, rows, comps.shape[0])),
+        generations_per_chunk=max(1, generations // 2),
+        backend="flex",
+        **kwargs,
+    )
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    return out.logps, grads
+
+
+def _in_full_batch(chunk, rows, num_rows):
+    """The chunk's output scattered into zeros of the full batch, so that ``weighted_loss`` weighs each row as it
+    does for the whole batch (the chunk losses then sum to the whole batch's loss)."""
+
+    def scatter(values):
+        return torch.zeros(num_rows, values.shape[1], dtype=values.dtype).index_copy(0, rows, values)
+
+    entropy = None if chunk.entropy is None else scatter(chunk.entropy)
+    return LogpsOutput(scatter(chunk.logps), entropy, scatter(chunk.mask))
+
+
+def test_compilations_are_bounded_and_results_exact(compiled_on_cpu):
+    counter = compiled_on_cpu
+    graphs = {}
+    for family in ("qwen2", "gemma2"):  # Gemma2: sliding (int) and global (None) windows, softcaps
+        model = build_model(family)
+        before = counter.counts["flex"]
+        for index, (num_prompts, generations, prompt_len, completion_len) in enumerate(SHAPES):
+            prompts, pmask, comps, cmask = make_batch(num_prompts, generations, prompt_len, completion_len, seed=index)
+            kwargs = dict(prompt_mask=pmask, completion_mask=cmask, return_entropy=True, temperature=0.7)
+            dense = compute_logps(model, prompts, comps, backend="dense", **kwargs)
+            expected = parameter_grads(model, weighted_loss(dense))
+            for mode in ("score", "train", "chunked"):
+                logps, grads = _run(model, mode, prompts, comps, kwargs, generations)
+                where = (family, index, mode)
+                assert (logps - dense.logps.detach()).abs().max() <= 1e-5, where
+                if grads is not None:
+                    assert max_relative_grad_error(grads, expected) <= 1e-4, where
+        graphs[family] = counter.counts["flex"] - before
+    assert counter.counts["mask"] >= 1 and all(n >= 1 for n in graphs.values()), "the compiled path did not run"
+    assert all(n <= FLEX_GRAPHS_PER_FAMILY for n in graphs.values()), graphs
+    assert counter.counts["mask"] <= MASK_GRAPHS, counter.counts
+
+
+def _one_block_then_two(call):
+    """Call ``call(query, key, value, block_mask)`` on one block of 128 keys, then two: dynamo specializes the
+    one-block shape, so the second call compiles again (the library pads to two blocks to avoid exactly this)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    for length in (128, 256):
+        qkv = [torch.randn(1, 2, length, 8) for _ in range(3)]
+        mask = create_block_mask(lambda b, h, q, k: q >= k, None, None, length, length, device="cpu")
+        call(*qkv, mask)
+
+
+def test_recompile_limit_raises_a_loud_error(compiled_on_cpu):
+    def call(query, key, value, mask):
+        with torch.no_grad():
+            flex._flex_call(query, key, value, block_mask=mask, scale=0.25, score_mod=None)
+
+    with torch._dynamo.config.patch(recompile_limit=1):
+        with pytest.raises(flex.FlexRecompileError, match="recompile_limit") as raised:
+            _one_block_then_two(call)
+    assert "backend='expand'" in str(raised.value)
+    assert compiled_on_cpu.counts["flex"] == 1  # the first call compiled; the second was refused, not run eagerly
+
+
+def test_below_the_limit_the_same_calls_compile_twice(compiled_on_cpu):
+    """The counterpart of the test above: with torch's default limit the two calls run, compiled twice."""
+
+    def call(query, key, value, mask):
+        with torch.no_grad():
+            out = flex._flex_call(query, key, value, block_mask=mask, scale=0.25, score_mod=None)
+        ref = torch.nn.functional.scaled_dot_product_attention(query, key, value, is_causal=True, scale=0.25)
+        assert (out - ref).abs().max() <= 1e-5
+
+    _one_block_then_two(call)
+    assert compiled_on_cpu.counts["flex"] == 2
+
+
+def test_lora_on_some_projections_compiles_no_extra_graph(compiled_on_cpu):
+    """LoRA on q/v only: the first layer's keys come from frozen weights and need no gradient while its queries do.
+    Which inputs require grad is a guard; the flex path makes it uniform, so training compiles one graph."""
+    peft = pytest.importorskip("peft")
+    from support.tiny_models import randomize_lora
+
+    model = peft.get_peft_model(build_model("qwen2"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    randomize_lora(model)
+    for index, shape in enumerate(SHAPES[:3]):
+        prompts, pmask, comps, cmask = make_batch(*shape, seed=index)
+        kwargs = dict(prompt_mask=pmask, completion_mask=cmask)
+        out = compute_logps(model, prompts, comps, backend="flex", **kwargs)
+        dense = compute_logps(model, prompts, comps, backend="dense", **kwargs)
+        grads, expected = parameter_grads(model, weighted_loss(out)), parameter_grads(model, weighted_loss(dense))
+        assert (out.logps - dense.logps).abs().max() <= 1e-5
+        assert max_relative_grad_error(grads, expected) <= 1e-4
+    assert compiled_on_cpu.counts["flex"] == 1, compiled_on_cpu.counts

@@ -1,0 +1,219 @@
+"""chunked_backward: parameter gradients equal dense autograd of the summed chunk losses, for every chunk size."""
+
+import pytest
+import torch
+from support.exactness import max_relative_grad_error, parameter_grads
+from support.tiny_models import build_model, make_batch, randomize_lora
+
+from shared_prefix_logps import chunked_backward, compute_logps
+
+
+def _loss_weights(rows, length):
+    gen = torch.Generator().manual_seed(5)
+    return torch.randn(rows, length, generator=gen), torch.randn(rows, length, generator=gen)
+
+
+def _check_all_chunk_sizes(model, generations, *, reference_model=None, return_entropy=True):
+    reference_model = reference_model or model
+    prompts, pmask, comps, cmask = make_batch(3, generations, prompt_len=9, completion_len=6, seed=generations)
+    w_logps, w_entropy = _loss_weights(*comps.shape)
+    kwargs = dict(prompt_mask=pmask, completion_mask=cmask, temperature=0.7, return_entropy=return_entropy)
+
+    def loss_fn(out, rows):
+        loss = (out.logps * w_logps[rows]).sum()
+        if out.entropy is not None:
+            loss = loss + (out.entropy * w_entropy[rows]).sum()
+        return loss
+
+    dense = compute_logps(reference_model, prompts, comps, backend="dense", **kwargs)
+    expected = parameter_grads(reference_model, loss_fn(dense, torch.arange(comps.shape[0])))
+    for chunk in range(1, generations + 1):
+        model.zero_grad(set_to_none=True)
+        out = chunked_backward(model, prompts, comps, loss_fn, generations_per_chunk=chunk, **kwargs)
+        assert not out.logps.requires_grad
+        assert (out.logps - dense.logps.detach()).abs().max() <= 1e-5, chunk
+        grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+        assert max_relative_grad_error(grads, expected) <= 1e-4, chunk
+
+
+@pytest.mark.parametrize("generations", [1, 4, 16])
+def test_every_chunk_size_matches_dense(generations):
+    _check_all_chunk_sizes(build_model("llama"), generations)
+
+
+def test_with_checkpointing_and_sliding_window():
+    model = build_model("mistral")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    _check_all_chunk_sizes(model, 4, reference_model=build_model("mistral"))
+
+
+def test_with_lora():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(build_model("qwen2"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    randomize_lora(model)
+    _check_all_chunk_sizes(model, 4, return_entropy=False)
+
+
+def test_gradients_accumulate_onto_existing_grads():
+    model = build_model("qwen3")
+    prompts, pmask, comps, cmask = make_batch(2, 4, prompt_len=7, completion_len=5)
+    kwargs = dict(prompt_mask=pmask, completion_mask=cmask)
+    loss_fn = lambda out, rows: out.logps.sum()
+    chunked_backward(model, prompts, comps, loss_fn, generations_per_chunk=2, **kwargs)
+    once = {n: p.grad.clone() for n, p in model.named_parameters()}
+    chunked_backward(model, prompts, comps, loss_fn, generations_per_chunk=2, **kwargs)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * once[n], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, pattern",
+    [
+        (dict(generations_per_chunk=0), ValueError, r"generations_per_chunk must be in \[1, G=4\]"),
+        (dict(generations_per_chunk=5), ValueError, r"generations_per_chunk must be in \[1, G=4\]"),
+        (dict(generations_per_chunk=2.0), TypeError, "generations_per_chunk must be an int"),
+        (dict(generations_per_chunk=2, backend="dense"), ValueError, "backend='dense' cannot"),
+    ],
+)
+def test_bad_arguments(kwargs, error, pattern):
+    model = build_model("llama")
+    prompts, pmask, comps, cmask = make_batch(2, 4, prompt_len=5, completion_len=3)
+    with pytest.raises(error, match=pattern):
+        chunked_backward(
+            model, prompts, comps, lambda o, r: o.logps.sum(), prompt_mask=pmask, completion_mask=cmask, **kwargs
+        )
+
+
+def test_loss_fn_must_return_a_scalar():
+    model = build_model("llama")
+    prompts, pmask, comps, cmask = make_batch(2, 2, prompt_len=5, completion_len=3)
+    with pytest.raises(TypeError, match="scalar tensor"):
+        chunked_backward(
+            model,
+            prompts,
+            comps,
+            lambda o, r: o.logps,
+            generations_per_chunk=1,
+            prompt_mask=pmask,
+            completion_mask=cmask,
+        )
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_all_masked_leaves_a_zero_grad_on_every_parameter_like_autograd(family, chunk):
+    """Every completion token masked: autograd of the summed chunk losses (one dense graph) gives every parameter a
+    zero gradient, which an optimizer like Adam still steps on. chunked_backward must leave the same zero ``.grad``s,
+    not None (with None the optimizer would skip those parameters)."""
+    model = build_model(family)
+    prompts, pmask, comps, _ = make_batch(2, 3, prompt_len=7, completion_len=5, seed=1)
+    cmask = torch.zeros(comps.shape, dtype=torch.bool)
+    w_logps, w_entropy = _loss_weights(*comps.shape)
+
+    def loss_fn(out, rows):
+        return (out.logps * w_logps[rows]).sum() + (out.entropy * w_entropy[rows]).sum()
+
+    kwargs = dict(prompt_mask=pmask, completion_mask=cmask, return_entropy=True)
+    dense = compute_logps(model, prompts, comps, backend="dense", **kwargs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    expected = torch.autograd.grad(loss_fn(dense, torch.arange(comps.shape[0])), params)
+    model.zero_grad(set_to_none=True)
+    out = chunked_backward(model, prompts, comps, loss_fn, generations_per_chunk=chunk, **kwargs)
+    assert not out.logps.any() and not out.entropy.any()
+    for (name, param), grad in zip(model.named_parameters(), expected):
+        assert param.grad is not None, name
+        assert torch.equal(param.grad, grad) and not param.grad.any(), name
+
+
+def test_completions_without_columns_leave_zero_grads():
+    model = build_model("llama")
+    prompts, pmask, _, _ = make_batch(2, 3, prompt_len=7, completion_len=5)
+    out = chunked_backward(
+        model,
+        prompts,
+        torch.zeros(6, 0, dtype=torch.long),
+        lambda o, r: o.logps.sum() + o.entropy.sum(),
+        generations_per_chunk=2,
+        prompt_mask=pmask,
+        return_entropy=True,
+    )
+    assert out.logps.shape == (6, 0)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+class _StubEngine(torch.nn.Module):
+    """The parts of DeepSpeed's engine that chunked_backward drives: ``backward`` (recording the accumulation
+    boundary each backward ran at) and the boundary override."""
+
+    def __init__(self, module, boundary=True, fp16=False):
+        super().__init__()
+        self.module = module
+        self.boundary, self.fp16 = boundary, fp16
+        self._is_gradient_accumulation_boundary = None
+        self.calls = []
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def fp16_enabled(self):
+        return self.fp16
+
+    def is_gradient_accumulation_boundary(self):
+        override = self._is_gradient_accumulation_boundary
+        return self.boundary if override is None else override
+
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        self._is_gradient_accumulation_boundary = is_boundary
+
+    def backward(self, loss, scale_wrt_gas=True):
+        self.calls.append((self.is_gradient_accumulation_boundary(), scale_wrt_gas))
+        loss.backward()
+
+
+@pytest.fixture
+def stub_deepspeed(monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "deepspeed", types.SimpleNamespace(DeepSpeedEngine=_StubEngine))
+
+
+@pytest.mark.parametrize("boundary", [True, False])
+def test_deepspeed_engine_backward_passes_accumulate_then_hit_its_boundary(stub_deepspeed, boundary):
+    model = build_model("llama")
+    prompts, pmask, comps, cmask = make_batch(2, 3, prompt_len=7, completion_len=4)
+    weights = _loss_weights(*comps.shape)[0]
+    loss_fn = lambda out, rows: (out.logps * weights[rows]).sum()
+    kwargs = dict(generations_per_chunk=1, prompt_mask=pmask, completion_mask=cmask)
+    chunked_backward(model, prompts, comps, loss_fn, **kwargs)
+    expected = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    engine = _StubEngine(model, boundary=boundary)
+    chunked_backward(engine, prompts, comps, loss_fn, **kwargs)
+    # Three chunks (scaled by the accumulation steps, not at the boundary), then the prompt (already scaled).
+    assert engine.calls == [(False, True)] * 3 + [(boundary, False)]
+    assert engine._is_gradient_accumulation_boundary is None
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert max_relative_grad_error(grads, expected) <= 1e-6
+
+
+def test_deepspeed_engine_refusals(stub_deepspeed):
+    model = build_model("llama")
+    prompts, pmask, comps, cmask = make_batch(2, 2, prompt_len=7, completion_len=4)
+    kwargs = dict(generations_per_chunk=1, prompt_mask=pmask, completion_mask=cmask)
+    loss_fn = lambda out, rows: out.logps.sum()
+    with pytest.raises(NotImplementedError, match="fp16"):
+        chunked_backward(_StubEngine(model, fp16=True), prompts, comps, loss_fn, **kwargs)
+    # Only the head trains, so no backward through the prompt follows the chunks; the last chunk's loss is constant.
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.startswith("lm_head"))
+    engine = _StubEngine(model)
+    constant_last = lambda out, rows: out.logps.sum() if rows.min() == 0 else torch.zeros(())
+    with pytest.raises(RuntimeError, match="accumulation boundary"):
+        chunked_backward(engine, prompts, comps, constant_last, **kwargs)
+    assert engine._is_gradient_accumulation_boundary is None
+    # Parameters a DeepSpeed engine manages, passed without the engine.
+    model.lm_head.weight.ds_id = 0
+    with pytest.raises(ValueError, match="pass the engine itself"):
+        chunked_backward(model, prompts, comps, loss_fn, **kwargs)

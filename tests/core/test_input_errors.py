@@ -1,0 +1,139 @@
+"""Every malformed input fails early with an error that names the offending argument."""
+
+import pytest
+import torch
+from support.tiny_models import VOCAB, build_model
+
+from shared_prefix_logps import UnsupportedModelError, compute_logps, compute_logps_concatenated
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("llama")
+
+
+P = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(0))
+C = torch.randint(0, VOCAB, (4, 3), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, pattern",
+    [
+        (dict(prompts=P.float()), TypeError, "prompts must hold integer"),
+        (dict(prompts=P[0]), ValueError, "prompts must be 2-D"),
+        (dict(prompts="hello"), TypeError, "prompts must be a LongTensor"),
+        (dict(completions=[[1, 2], "ab"]), TypeError, r"completions\[1\]"),
+        (dict(completions=[[1, 2.5]]), TypeError, r"completions\[0\] must contain only integer"),
+        (dict(prompts=P[:0]), ValueError, "prompts is empty"),
+        (dict(completions=C[:0]), ValueError, "completions is empty"),
+        (dict(prompts=[]), ValueError, "prompts is empty"),
+        (dict(prompts=[[1, 2], []]), ValueError, r"prompts\[1\] is empty"),
+        (dict(completions=C[:3]), ValueError, "not a multiple of the 2 prompts"),
+        (dict(completions=C[:1]), ValueError, "not a multiple of the 2 prompts"),
+        (dict(prompt_mask=torch.ones(2, 4, dtype=torch.bool)), ValueError, r"prompt_mask has shape \(2, 4\)"),
+        (dict(completion_mask=torch.ones(4, 2, dtype=torch.bool)), ValueError, r"completion_mask has shape"),
+        (dict(prompt_mask=torch.ones(2, 5)), TypeError, "prompt_mask must be bool or integer"),
+        (dict(prompt_mask=torch.full((2, 5), 2)), ValueError, "prompt_mask must hold only 0 and 1"),
+        (dict(prompt_mask=[[1] * 5] * 2), TypeError, "prompt_mask must be a tensor"),
+        (dict(prompt_mask=torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 0]])), ValueError, "prompt_mask row 1 does not"),
+        (
+            dict(prompt_mask=torch.tensor([[1, 1, 1, 1, 1], [1, 0, 0, 1, 1]])),
+            ValueError,
+            "prompt_mask row 1 is not left",
+        ),
+        (
+            dict(completion_mask=torch.tensor([[1, 1, 1], [0, 1, 1], [1, 1, 1], [1, 1, 1]])),
+            ValueError,
+            "completion_mask row 1 is not right-padded",
+        ),
+        (dict(prompts=P.clone().fill_(VOCAB)), ValueError, f"prompts holds token id {VOCAB} outside"),
+        (dict(prompts=P.clone().fill_(-1)), ValueError, "prompts holds token id -1 outside"),
+        (dict(completions=C.clone().fill_(VOCAB + 5)), ValueError, "completions holds token id"),
+        (dict(prompts=[[1, 2]], prompt_mask=torch.ones(1, 2)), ValueError, "prompt_mask must be None"),
+        (dict(temperature=0.0), ValueError, "temperature must be positive"),
+        (dict(temperature=float("nan")), ValueError, "temperature must be positive"),
+        (dict(temperature="1"), TypeError, "temperature must be a number"),
+        (dict(backend="fast"), ValueError, "backend must be one of"),
+    ],
+)
+def test_bad_input_names_the_argument(model, kwargs, error, pattern):
+    args = dict(prompts=P, completions=C)
+    args.update(kwargs)
+    with pytest.raises(error, match=pattern):
+        compute_logps(model, args.pop("prompts"), args.pop("completions"), **args)
+
+
+def test_padding_ids_outside_vocab_are_fine_under_the_mask(model):
+    prompts = P.clone()
+    prompts[0, :2] = -100
+    mask = torch.ones(2, 5, dtype=torch.bool)
+    mask[0, :2] = False
+    completions = C.clone()
+    completions[1, 1:] = VOCAB + 7
+    cmask = torch.ones(4, 3, dtype=torch.bool)
+    cmask[1, 1:] = False
+    with torch.no_grad():
+        out = compute_logps(model, prompts, completions, prompt_mask=mask, completion_mask=cmask)
+    assert torch.isfinite(out.logps).all() and (out.logps[1, 1:] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "args, error, pattern",
+    [
+        (dict(logits_to_keep=0), ValueError, "logits_to_keep must be in"),
+        (dict(logits_to_keep=8), ValueError, "logits_to_keep must be in"),
+        (dict(logits_to_keep=2.0), TypeError, "logits_to_keep must be an int"),
+        (dict(attention_mask=None), ValueError, "attention_mask is required"),
+        (dict(attention_mask=torch.ones(4, 7, dtype=torch.bool)), ValueError, "attention_mask has shape"),
+        (dict(input_ids=[[1, 2, 3]]), TypeError, "input_ids must be a LongTensor"),
+    ],
+)
+def test_concatenated_bad_input(model, args, error, pattern):
+    full = dict(
+        input_ids=torch.cat([P.repeat_interleave(2, 0), C], 1), attention_mask=torch.ones(4, 8), logits_to_keep=3
+    )
+    full.update(args)
+    with pytest.raises(error, match=pattern):
+        compute_logps_concatenated(model, full["input_ids"], full["attention_mask"], full["logits_to_keep"])
+
+
+def test_unsupported_model_type_is_named():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=1, n_head=2))
+    with pytest.raises(UnsupportedModelError, match="'gpt2'"):
+        compute_logps(gpt2, P, C)
+
+
+def test_not_a_causal_lm():
+    with pytest.raises(UnsupportedModelError, match="must be a transformers causal LM"):
+        compute_logps(torch.nn.Linear(2, 2), P, C)
+
+
+def test_unreproduced_logit_post_processing_is_refused():
+    import transformers
+
+    class DoubledLogits(transformers.LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    reference = build_model("llama")
+    odd = DoubledLogits(reference.config)
+    with pytest.raises(UnsupportedModelError, match="post-processes its logits"):
+        compute_logps(odd, P, C)
+
+
+def test_implementation_outside_the_attention_interface_is_refused():
+    model = build_model("qwen2")
+    model.config._attn_implementation_internal = "my_unregistered_attention"
+    with pytest.raises(UnsupportedModelError, match="attn_implementation='my_unregistered_attention'"):
+        compute_logps(model, P, C)
+
+
+def test_attention_softcap_under_sdpa_is_refused():
+    model = build_model("gemma2")
+    model.config._attn_implementation_internal = "sdpa"
+    with pytest.raises(UnsupportedModelError, match="attn_implementation='eager'"):
+        compute_logps(model, P, C)

@@ -1,0 +1,354 @@
+"""Property: every shared-prefix path returns the dense path's numbers, on random batches and options.
+
+Hypothesis draws the batch (prompts, G, lengths, paddings, ids, pad contents), the options (temperature, entropy,
+token budget, fused-head row chunk, generations per chunk) and the route (``compute_logps`` with tensors or lists,
+``compute_logps_concatenated`` with shuffled trainer rows, ``chunked_backward``; backends ``expand`` and ``flex``).
+Each result is compared with ``backend="dense"`` on the same rows in float32: log-probs and entropies within 1e-5,
+every parameter's gradient within 1e-4 relative.
+"""
+
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from support.exactness import max_relative_grad_error, parameter_grads
+from support.tiny_models import VOCAB, build_model
+
+from shared_prefix_logps import LogpsOutput, chunked_backward, compute_logps, compute_logps_concatenated, model_support
+
+# Eager flex_attention on CPU warns that it is unfused; that is expected here.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
+    pytest.mark.usefixtures("one_torch_thread"),
+]
+
+# Rotary (llama), attention bias and tied head (qwen2), sliding window shorter than the rows (mistral), attention
+# and final softcaps with a window (gemma2).
+FAMILIES = ("llama", "qwen2", "mistral", "gemma2")
+
+MAX_PROMPTS, MAX_GENERATIONS, MAX_PROMPT_LEN, MAX_COMPLETION_LEN = 3, 4, 8, 6
+
+LOGPS_TOL = 1e-5
+GRAD_TOL = 1e-4
+GRAD_NOISE = 1e-5
+
+# Examples per route: no-grad expand and flex with 3 entry points each, 4 routes with gradients.
+EXPAND_SCORING_EXAMPLES = 120
+FLEX_SCORING_EXAMPLES = 25
+GRAD_EXAMPLES = 120
+
+# Building a model takes longer than checking an example; every example of a family shares one.
+_MODELS: dict[tuple[str, torch.dtype], torch.nn.Module] = {}
+
+
+def _model(family: str, dtype=torch.float32) -> torch.nn.Module:
+    key = (family, dtype)
+    if key not in _MODELS:
+        # The float64 copy holds the float32 model's values exactly.
+        _MODELS[key] = build_model(family) if dtype == torch.float32 else copy.deepcopy(_model(family)).to(dtype)
+    return _MODELS[key]
+
+
+@dataclass
+class Batch:
+    """One drawn batch: real tokens per prompt and per completion row, plus what fills the padding."""
+
+    family: str
+    generations: int
+    prompt_len: int  # P: tensor width of the prompts (>= the longest prompt)
+    completion_len: int  # C: tensor width of the completions (>= the longest completion)
+    prompts: list[list[int]]
+    completions: list[list[int]]  # rows g*G .. g*G+G-1 continue prompt g
+    pad_id: int  # what padded positions hold in tensor inputs: masks, not ids, must say what is padding
+
+    def tensors(self, pad_id: int | None = None):
+        """(prompts (B, P) left-padded, prompt_mask, completions (B*G, C) right-padded, completion_mask)."""
+        pad = self.pad_id if pad_id is None else pad_id
+        prompts = torch.full((len(self.prompts), self.prompt_len), pad, dtype=torch.long)
+        prompt_mask = torch.zeros(prompts.shape, dtype=torch.bool)
+        for i, row in enumerate(self.prompts):
+            prompts[i, self.prompt_len - len(row) :] = torch.tensor(row)
+            prompt_mask[i, self.prompt_len - len(row) :] = True
+        completions = torch.full((len(self.completions), self.completion_len), pad, dtype=torch.long)
+        completion_mask = torch.zeros(completions.shape, dtype=torch.bool)
+        for i, row in enumerate(self.completions):
+            if row:
+                completions[i, : len(row)] = torch.tensor(row)
+                completion_mask[i, : len(row)] = True
+        return prompts, prompt_mask, completions, completion_mask
+
+
+ids = st.integers(0, VOCAB - 1)
+
+
+@st.composite
+def batches(draw) -> Batch:
+    num_prompts = draw(st.integers(1, MAX_PROMPTS))
+    generations = draw(st.integers(1, MAX_GENERATIONS))
+    prompt_len = draw(st.integers(1, MAX_PROMPT_LEN))
+    completion_len = draw(st.integers(1, MAX_COMPLETION_LEN))
+    # Lengths are drawn as padding (0 is the simplest draw), so a simple example still has a prefix to share.
+    prompt_pads = st.lists(st.integers(0, prompt_len - 1), min_size=num_prompts, max_size=num_prompts)
+    prompt_lengths = [prompt_len - pad for pad in draw(prompt_pads)]
+    # Single-token prompts have no prefix to share; when all are, Phase 1 has nothing to run. One example in eight
+    # forces that also when the prompt tensor is wider.
+    if draw(st.integers(0, 7)) == 7:
+        prompt_lengths = [1] * num_prompts
+    rows = num_prompts * generations
+    completion_pads = st.lists(st.integers(0, completion_len), min_size=rows, max_size=rows)
+    completion_lengths = [completion_len - pad for pad in draw(completion_pads)]
+    prompts = [draw(st.lists(ids, min_size=n, max_size=n)) for n in prompt_lengths]
+    completions = [draw(st.lists(ids, min_size=n, max_size=n)) for n in completion_lengths]
+    return Batch(
+        family=draw(st.sampled_from(FAMILIES)),
+        generations=generations,
+        prompt_len=prompt_len,
+        completion_len=completion_len,
+        prompts=prompts,
+        completions=completions,
+        pad_id=draw(st.sampled_from([0, VOCAB - 1, -100])),
+    )
+
+
+temperatures = st.one_of(st.just(1.0), st.floats(0.25, 4.0, allow_nan=False, allow_infinity=False))
+head_chunk_rows = st.one_of(st.none(), st.integers(1, 8))
+
+
+def _weights(shape):
+    gen = torch.Generator().manual_seed(0)
+    return torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+
+
+def _loss(out: LogpsOutput, rows: torch.Tensor, weights) -> torch.Tensor:
+    """Every position weighted differently, so a value or gradient routed to the wrong token shows."""
+    w_logps, w_entropy = weights
+    loss = (out.logps * w_logps[rows]).sum()
+    if out.entropy is not None:
+        loss = loss + (out.entropy * w_entropy[rows]).sum()
+    return loss
+
+
+def _describe(batch: Batch, route: str) -> None:
+    """Label the example for ``pytest --hypothesis-show-statistics`` (which cases the run covered)."""
+    event(f"{batch.family} {route}")
+    event(f"G={batch.generations}")
+    prompt_lengths = [len(row) for row in batch.prompts]
+    if max(prompt_lengths) == 1:
+        event("every prompt one token")
+    elif min(prompt_lengths) == 1:
+        event("some prompt one token")
+    if max(prompt_lengths) < batch.prompt_len:
+        event("prompt columns padded in every row")
+    completion_lengths = [len(row) for row in batch.completions]
+    if max(completion_lengths) == 0:
+        event("every completion empty")
+    elif min(completion_lengths) == 0:
+        event("some completion empty")
+    if len(set(map(tuple, batch.prompts))) < len(batch.prompts):
+        event("repeated prompt")
+    if batch.prompt_len + batch.completion_len > 6:
+        event("rows longer than the sliding windows")
+
+
+def _dense(model, batch: Batch, temperature: float, return_entropy: bool) -> LogpsOutput:
+    """The reference: backend="dense" on the batch as tensors.
+
+    Its padding holds 0, whatever pad_id the tested route sees.
+    """
+    prompts, prompt_mask, completions, completion_mask = batch.tensors(pad_id=0)
+    return compute_logps(
+        model,
+        prompts,
+        completions,
+        prompt_mask=prompt_mask,
+        completion_mask=completion_mask,
+        temperature=temperature,
+        return_entropy=return_entropy,
+        backend="dense",
+    )
+
+
+def _run(model, batch: Batch, entry: str, permutation, **kwargs) -> LogpsOutput:
+    """The batch through ``entry``; rows come back in the batch's grouped order (differentiably)."""
+    if entry == "lists":
+        out = compute_logps(model, batch.prompts, batch.completions, **kwargs)
+        # Lists are padded to their longest completion; widen to the batch's C (the extra columns are padding).
+        assert out.logps.shape[1] == max(len(row) for row in batch.completions)
+        extra = batch.completion_len - out.logps.shape[1]
+        widen = lambda t: None if t is None else torch.nn.functional.pad(t, (0, extra))
+        return LogpsOutput(widen(out.logps), widen(out.entropy), widen(out.mask))
+    prompts, prompt_mask, completions, completion_mask = batch.tensors()
+    if entry == "tensors":
+        return compute_logps(
+            model, prompts, completions, prompt_mask=prompt_mask, completion_mask=completion_mask, **kwargs
+        )
+    assert entry == "concatenated"
+    # TRL's layout: [left-padded prompt | right-padded completion] per row, rows in any order.
+    group = torch.arange(len(batch.prompts)).repeat_interleave(batch.generations)
+    order = torch.tensor(permutation, dtype=torch.long)
+    input_ids = torch.cat([prompts[group], completions], dim=1)[order]
+    attention_mask = torch.cat([prompt_mask[group], completion_mask], dim=1)[order].long()
+    out = compute_logps_concatenated(model, input_ids, attention_mask, batch.completion_len, **kwargs)
+    inverse = torch.argsort(order)
+    return LogpsOutput(out.logps[inverse], None if out.entropy is None else out.entropy[inverse], out.mask[inverse])
+
+
+def _check_values(out: LogpsOutput, dense: LogpsOutput, return_entropy: bool) -> None:
+    assert out.logps.dtype == torch.float32
+    assert out.logps.shape == dense.logps.shape
+    assert torch.equal(out.mask, dense.mask)
+    assert (out.logps <= 0).all()
+    assert (out.logps[~out.mask] == 0).all()
+    assert (out.logps.detach() - dense.logps.detach()).abs().max().item() <= LOGPS_TOL
+    if return_entropy:
+        assert out.entropy.dtype == torch.float32
+        assert (out.entropy[~out.mask] == 0).all()
+        assert (out.entropy.detach() - dense.entropy.detach()).abs().max().item() <= LOGPS_TOL
+    else:
+        assert out.entropy is None
+
+
+def _check_grads(grads, expected, exact_grads) -> None:
+    """Every parameter's gradient within GRAD_TOL relative of the dense one, or, failing that, of the exact one.
+
+    Some gradients are zero in exact arithmetic (the query/key projections when all values a query sees are equal:
+    one-token prompts and completions, rows of one repeated token); both float32 paths then return rounding noise
+    (seen up to ~1e-6 of the largest parameter gradient, differing between the paths by more than 10x), whose relative
+    difference means nothing. A parameter that fails the relative check is measured against the dense path in
+    float64 (``exact_grads()``): within GRAD_TOL relative plus GRAD_NOISE times the largest exact gradient.
+    """
+    failing = [name for name, ref in expected.items() if max_relative_grad_error(grads, {name: ref}) > GRAD_TOL]
+    if not failing:
+        return
+    exact = exact_grads()
+    largest = max(ref.norm().item() for ref in exact.values())
+    for name in failing:
+        error = (grads[name].double() - exact[name]).norm().item()
+        allowed = GRAD_TOL * exact[name].norm().item() + GRAD_NOISE * largest
+        assert error <= allowed, f"{name}: {error:.3e} from the float64 gradient (allowed {allowed:.3e})"
+
+
+@contextmanager
+def head_chunk_rows_set_to(rows):
+    """The fused head's row chunk set for one example, restored afterwards."""
+    saved = model_support.HEAD_CHUNK_ROWS
+    model_support.HEAD_CHUNK_ROWS = rows
+    try:
+        yield
+    finally:
+        model_support.HEAD_CHUNK_ROWS = saved
+
+
+COMMON_SETTINGS = dict(
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+drawn_options = dict(
+    batch=batches(),
+    temperature=temperatures,
+    return_entropy=st.booleans(),
+    token_budget=st.one_of(st.none(), st.integers(1, 64)),
+    head_chunk=head_chunk_rows,
+    data=st.data(),
+)
+
+
+def _check_scoring(entry, backend, batch, temperature, return_entropy, token_budget, head_chunk, data):
+    """No-grad scoring (where token budgets chunk prompts and rows) equals the dense path."""
+    model = _model(batch.family)
+    permutation = data.draw(st.permutations(range(len(batch.completions))), label="row order")
+    _describe(batch, f"{entry}/{backend}")
+    event(f"token_budget={'none' if token_budget is None else 'tiny' if token_budget < 16 else 'small'}")
+    event(f"head_chunk={head_chunk}")
+    options = dict(temperature=temperature, return_entropy=return_entropy)
+    with torch.no_grad():
+        dense = _dense(model, batch, **options)
+        with head_chunk_rows_set_to(head_chunk):
+            out = _run(model, batch, entry, permutation, backend=backend, token_budget=token_budget, **options)
+    _check_values(out, dense, return_entropy)
+
+
+# Each route gets its own examples: Hypothesis spends many of a shared budget on variants of one example.
+@pytest.mark.parametrize("entry", ["tensors", "lists", "concatenated"])
+@settings(max_examples=EXPAND_SCORING_EXAMPLES, **COMMON_SETTINGS)
+@given(**drawn_options)
+def test_expand_scoring_matches_dense(entry, **drawn):
+    _check_scoring(entry, "expand", **drawn)
+
+
+# Eager flex_attention on CPU costs ~0.2-0.5 s per call (and a tiny token budget makes many calls): fewer examples.
+@pytest.mark.parametrize("entry", ["tensors", "lists", "concatenated"])
+@settings(max_examples=FLEX_SCORING_EXAMPLES, **COMMON_SETTINGS)
+@given(**drawn_options)
+def test_flex_scoring_matches_dense(entry, **drawn):
+    _check_scoring(entry, "flex", **drawn)
+
+
+@pytest.mark.parametrize("entry", ["tensors", "lists", "concatenated", "chunked_backward"])
+@settings(max_examples=GRAD_EXAMPLES, **COMMON_SETTINGS)
+@given(**drawn_options)
+def test_gradients_match_dense(entry, batch, temperature, return_entropy, token_budget, head_chunk, data):
+    """With gradients (expand; chunked_backward in chunks of generations) log-probs, entropies and every
+    parameter's gradient equal those of the dense path."""
+    _describe(batch, entry)
+    model = _model(batch.family)
+    rows = len(batch.completions)
+    weights = _weights((rows, batch.completion_len))
+    options = dict(temperature=temperature, return_entropy=return_entropy)
+    dense = _dense(model, batch, **options)
+    everything = torch.arange(rows)
+    # With every completion empty nothing depends on the parameters (dense returns constant zeros).
+    anything = bool(dense.mask.any())
+    expected = parameter_grads(model, _loss(dense, everything, weights)) if anything else None
+    with head_chunk_rows_set_to(head_chunk):
+        if entry == "chunked_backward":
+            per_chunk = data.draw(st.integers(1, batch.generations), label="generations_per_chunk")
+            event(f"chunks of generations: {-(-batch.generations // per_chunk)}")
+            prompts, prompt_mask, completions, completion_mask = batch.tensors()
+            model.zero_grad(set_to_none=True)
+            try:
+                out = chunked_backward(
+                    model,
+                    prompts,
+                    completions,
+                    lambda chunk, chunk_rows: _loss(chunk, chunk_rows, weights),
+                    generations_per_chunk=per_chunk,
+                    prompt_mask=prompt_mask,
+                    completion_mask=completion_mask,
+                    backend="expand",
+                    **options,
+                )
+                grads = {
+                    n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in model.named_parameters()
+                }
+            finally:
+                model.zero_grad(set_to_none=True)
+            assert not out.logps.requires_grad
+        else:
+            permutation = data.draw(st.permutations(range(rows)), label="row order")
+            # token_budget only applies without gradients; with them it must change nothing.
+            out = _run(model, batch, entry, permutation, backend="expand", token_budget=token_budget, **options)
+            # Connected to the model's graph even when every token is masked (a trainer's zero loss back-propagates).
+            assert out.logps.requires_grad
+            grads = parameter_grads(model, _loss(out, everything, weights))
+    _check_values(out, dense, return_entropy)
+    if anything:
+
+        def exact_grads():
+            event("float32 gradient noise checked against float64")
+            exact_model = _model(batch.family, torch.float64)
+            return parameter_grads(exact_model, _loss(_dense(exact_model, batch, **options), everything, weights))
+
+        _check_grads(grads, expected, exact_grads)
+    else:
+        assert all(g.abs().max() == 0 for g in grads.values())

@@ -1,0 +1,192 @@
+"""Two-process gloo FSDP (FSDP2 ``fully_shard`` and FSDP1) wrapped the way trainers wrap models: each decoder layer,
+the input embedding and an untied lm_head their own units, then the root; ``reshard_after_forward=True``; forward
+inputs cast by the mixed-precision policy; optionally non-reentrant activation checkpointing and LoRA.
+
+Every call goes through the wrapped model: no-grad ``compute_logps_concatenated``, grad-enabled ``compute_logps``
+and ``chunked_backward``. Log-probs are compared with the single-process dense path on each rank's batch, and every
+parameter's full gradient with the average of the two ranks' dense gradients (what FSDP's reduce-scatter computes).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from support.distributed import GENERATIONS, concatenated, free_port, weighted_loss
+from support.tiny_models import build_model, make_batch, randomize_lora
+
+from shared_prefix_logps import chunked_backward, compute_logps, compute_logps_concatenated
+
+
+def _model(family: str, lora: bool):
+    model = build_model(family, tied=False)
+    if lora:
+        import peft
+
+        config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "lm_head"], lora_dropout=0.0)
+        model = randomize_lora(peft.get_peft_model(model, config))
+    return model
+
+
+def _batch(rank: int):
+    return make_batch(2, GENERATIONS, prompt_len=9, completion_len=5, seed=rank)
+
+
+def _layers(model):
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inner, inner.model.layers, inner.model.embed_tokens, inner.lm_head
+
+
+def _wrap_fsdp2(model):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    options = dict(mesh=mesh, reshard_after_forward=True, mp_policy=MixedPrecisionPolicy(cast_forward_inputs=True))
+    _, layers, embed, lm_head = _layers(model)
+    for layer in layers:
+        fully_shard(layer, **options)
+    fully_shard(embed, **options)
+    fully_shard(lm_head, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def _wrap_fsdp1(model):
+    import functools
+
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    # As accelerate's TRANSFORMER_BASED_WRAP does: each decoder layer a unit, embeddings and head in the root.
+    _, layers, _, _ = _layers(model)
+    policy = ModuleWrapPolicy({type(layers[0])})
+    wrap = functools.partial(
+        FullyShardedDataParallel,
+        auto_wrap_policy=policy,
+        use_orig_params=True,
+        mixed_precision=MixedPrecision(cast_forward_inputs=True),
+        # Named explicitly: FSDP1 picks an accelerator by itself and refuses CPU-only processes otherwise.
+        device_id=torch.device("cpu"),
+    )
+    return wrap(model)
+
+
+def _full_grads(engine, wrapped, names) -> dict:
+    if engine == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(wrapped, with_grads=True):
+            params = dict(wrapped.named_parameters())
+            return {name: _grad(params[_fsdp1_name(params, name)]) for name in names}
+    params = dict(wrapped.named_parameters())
+    result = {}
+    for name in names:
+        grad = params[name].grad
+        result[name] = None if grad is None else (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).clone()
+    return result
+
+
+def _fsdp1_name(params, name):
+    for candidate in params:
+        if candidate.replace("_fsdp_wrapped_module.", "") == name:
+            return candidate
+    raise KeyError(name)
+
+
+def _grad(param):
+    return None if param.grad is None else param.grad.detach().clone()
+
+
+def _worker(rank, port, results, engine, family, lora, checkpointing):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    try:
+        model = _model(family, lora)
+        names = [name for name, param in model.named_parameters() if param.requires_grad]
+        if checkpointing:
+            _layers(model)[0].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()  # checkpointing only runs in training mode; the tiny models have no dropout
+        wrapped = {"fsdp2": _wrap_fsdp2, "fsdp1": _wrap_fsdp1}[engine](model)
+        prompts, pmask, comps, cmask = _batch(rank)
+        with torch.no_grad():
+            scored = compute_logps_concatenated(wrapped, *concatenated(prompts, pmask, comps, cmask), comps.shape[1])
+        out = compute_logps(wrapped, prompts, comps, prompt_mask=pmask, completion_mask=cmask, return_entropy=True)
+        weighted_loss(out).backward()
+        grads = _full_grads(engine, wrapped, names)
+        wrapped.zero_grad(set_to_none=True)
+        if engine == "fsdp1":
+            with pytest.raises(NotImplementedError, match="FSDP1"):
+                chunked_backward(wrapped, prompts, comps, weighted_loss, generations_per_chunk=1, prompt_mask=pmask)
+            results[rank] = dict(scored=scored.logps, logps=out.logps.detach(), grads=grads)
+            dist.barrier()
+            return
+        chunked = chunked_backward(
+            wrapped,
+            prompts,
+            comps,
+            weighted_loss,
+            generations_per_chunk=1,
+            prompt_mask=pmask,
+            completion_mask=cmask,
+            return_entropy=True,
+        )
+        chunked_grads = _full_grads(engine, wrapped, names)
+        results[rank] = dict(
+            scored=scored.logps,
+            logps=out.logps.detach(),
+            chunked=chunked.logps,
+            grads=grads,
+            chunked_grads=chunked_grads,
+        )
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _dense_reference(family, lora):
+    model = _model(family, lora)
+    logps, grads = [], []
+    for rank in range(2):
+        model.zero_grad(set_to_none=True)
+        prompts, pmask, comps, cmask = _batch(rank)
+        out = compute_logps(
+            model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, return_entropy=True, backend="dense"
+        )
+        weighted_loss(out).backward()
+        logps.append(out.logps.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    averaged = {name: (grads[0][name] + grads[1][name]) / 2 for name in grads[0]}
+    return logps, averaged
+
+
+CASES = [
+    pytest.param("fsdp2", "llama", False, False, id="fsdp2-llama"),
+    pytest.param("fsdp2", "qwen3", True, True, id="fsdp2-qwen3-lora-checkpointing"),
+    pytest.param("fsdp2", "gemma2", False, True, id="fsdp2-gemma2-checkpointing"),
+    pytest.param("fsdp1", "mistral", True, False, id="fsdp1-mistral-lora"),
+    pytest.param("fsdp1", "gemma2", False, True, id="fsdp1-gemma2-checkpointing"),
+]
+
+
+@pytest.mark.parametrize("engine, family, lora, checkpointing", CASES)
+def test_fsdp_matches_dense(engine, family, lora, checkpointing):
+    manager = mp.Manager()
+    results = manager.dict()
+    mp.spawn(_worker, args=(free_port(), results, engine, family, lora, checkpointing), nprocs=2, join=True)
+    dense_logps, dense_grads = _dense_reference(family, lora)
+    for rank in range(2):
+        got = results[rank]
+        for key in ("scored", "logps", "chunked"):
+            if key in got:  # FSDP1 refuses chunked_backward (see the worker)
+                assert (got[key] - dense_logps[rank]).abs().max() <= 1e-5, (rank, key)
+        for key in ("grads", "chunked_grads")[: 1 if engine == "fsdp1" else 2]:
+            for name, reference in dense_grads.items():
+                grad = got[key][name]
+                assert grad is not None, (rank, key, name)
+                error = (grad - reference).norm().item()
+                assert error <= 1e-4 * reference.norm().item() + 1e-8, (rank, key, name, error)

@@ -1,0 +1,303 @@
+"""CUDA checks (marked ``gpu``, skipped without a CUDA device): the expand and flex backends and chunked_backward
+against dense in float32 and bfloat16, Gemma2 at its real head size, bounded flex compilation under inductor, the
+log-softmax-gather kernel past 2^31 logits, and peak memory at P=16k, G=64, C=1k.
+
+bfloat16 results are judged against a float32 reference of the same weights, with the dense bfloat16 path's own
+error as the yardstick (bf16 results depend on batching, so no path is bitwise anyone's reference).
+"""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from support.exactness import max_relative_grad_error, parameter_grads, weighted_loss
+from support.tiny_models import build_model, make_batch
+
+from shared_prefix_logps import LogpsOutput, chunked_backward, compute_logps
+from shared_prefix_logps.backends import expand, flex
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+CUDA = torch.device("cuda")
+BACKENDS = ("expand", "flex")
+#: Llama (grouped-query attention) from tests/support/tiny_models.py, and Gemma2 with Gemma-2's head size 256, sliding
+#: windows and softcaps (built here); Qwen2 and the tiny Gemma2 run in the compilation test. Each family, dtype and
+#: grad mode compiles flex once, so the list is kept short.
+FAMILIES = ("llama", "gemma2-hd256")
+#: float32 on the GPU: kernels sum in other orders than the dense path, so a little more than on CPU.
+FP32_LOGPS_TOL, FP32_GRAD_TOL = 1e-4, 1e-3
+
+
+@pytest.fixture(autouse=True)
+def real_triton(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+def gemma2_hd256(dtype=torch.float32, seed=0):
+    """A 2-layer Gemma2 with head_dim 256 (as gemma-2-2b), alternating sliding (16 tokens, shorter than the test
+    rows) and global layers, attention softcap 50 and final softcap 30."""
+    import transformers
+
+    config = transformers.Gemma2Config(
+        vocab_size=101,
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=16,
+        attn_logit_softcapping=50.0,
+        final_logit_softcapping=30.0,
+        max_position_embeddings=512,
+        initializer_range=0.05,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = transformers.Gemma2ForCausalLM(config).to(dtype)
+    model.set_attn_implementation("eager")  # the dense reference must apply the attention softcap
+    return model.eval()
+
+
+def cuda_model(family, dtype=torch.float32):
+    model = gemma2_hd256(dtype) if family == "gemma2-hd256" else build_model(family, dtype=dtype)
+    return model.to(CUDA)
+
+
+def cuda_batch(num_prompts=3, generations=4, prompt_len=40, completion_len=24, seed=1):
+    """A make_batch batch on CUDA: rows longer than every sliding window, a one-token prompt, an empty completion."""
+    return tuple(t.to(CUDA) for t in make_batch(num_prompts, generations, prompt_len, completion_len, seed=seed))
+
+
+def in_full_batch(chunk, rows, num_rows):
+    """A chunk's output scattered into zeros of the full batch, so ``weighted_loss`` weighs rows as for the batch."""
+
+    def scatter(values):
+        return torch.zeros(num_rows, values.shape[1], dtype=values.dtype, device=values.device).index_copy(
+            0, rows, values
+        )
+
+    entropy = None if chunk.entropy is None else scatter(chunk.entropy)
+    return LogpsOutput(scatter(chunk.logps), entropy, scatter(chunk.mask))
+
+
+def run_mode(model, mode, backend, batch, **kwargs):
+    """(logps (rows, C) float32, entropy, parameter grads or None) of one way of calling the library."""
+    prompts, pmask, comps, cmask = batch
+    kwargs = dict(prompt_mask=pmask, completion_mask=cmask, return_entropy=True, **kwargs)
+    if mode == "score":
+        with torch.no_grad():
+            out = compute_logps(model, prompts, comps, backend=backend, **kwargs)
+        return out.logps, out.entropy, None
+    if mode == "train":
+        out = compute_logps(model, prompts, comps, backend=backend, **kwargs)
+        return out.logps.detach(), out.entropy.detach(), parameter_grads(model, weighted_loss(out))
+    model.zero_grad(set_to_none=True)
+    out = chunked_backward(
+        model,
+        prompts,
+        comps,
+        lambda chunk, rows: weighted_loss(in_full_batch(chunk, rows, comps.shape[0])),
+        generations_per_chunk=min(2, comps.shape[0] // prompts.shape[0]),
+        backend=backend,
+        **kwargs,
+    )
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return out.logps, out.entropy, grads
+
+
+def dense_reference(model, batch, **kwargs):
+    """(logps, entropy, parameter grads) of the dense path."""
+    return run_mode(model, "train", "dense", batch, **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["score", "train", "chunked"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp32_matches_dense(family, backend, mode):
+    model = cuda_model(family)
+    batch = cuda_batch()
+    logps, entropy, grads = run_mode(model, mode, backend, batch, temperature=0.7)
+    ref_logps, ref_entropy, ref_grads = dense_reference(model, batch, temperature=0.7)
+    assert (logps <= 0).all() and (logps[~batch[3]] == 0).all()
+    assert (logps - ref_logps).abs().max() <= FP32_LOGPS_TOL
+    assert (entropy - ref_entropy).abs().max() <= FP32_LOGPS_TOL
+    if grads is not None:
+        assert max_relative_grad_error(grads, ref_grads) <= FP32_GRAD_TOL
+
+
+def _float_grads(grads):
+    return {name: grad.float() for name, grad in grads.items()}
+
+
+@pytest.mark.parametrize("mode", ["score", "train", "chunked"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_error_within_dense_bf16_error(family, backend, mode):
+    model = cuda_model(family, torch.bfloat16)
+    reference = cuda_model(family, torch.float32)
+    # The float32 reference runs the float32 copy of the very bf16 weights, so only arithmetic differs.
+    reference.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    batch = cuda_batch()
+    mask = batch[3]
+    exact_logps, _, exact_grads = dense_reference(reference, batch)
+    dense_logps, _, dense_grads = run_mode(model, mode if mode == "score" else "train", "dense", batch)
+    logps, _, grads = run_mode(model, mode, backend, batch)
+    dense_err = (dense_logps - exact_logps)[mask].abs()
+    ours_err = (logps - exact_logps)[mask].abs()
+    assert dense_err.max() > 0  # bf16 really rounds here, so the yardstick is not zero
+    assert ours_err.max() <= 2 * dense_err.max() + 1e-3, (ours_err.max(), dense_err.max())
+    assert ours_err.mean() <= 1.5 * dense_err.mean() + 1e-4, (ours_err.mean(), dense_err.mean())
+    if grads is not None:
+        dense_grad_err = max_relative_grad_error(_float_grads(dense_grads), exact_grads)
+        ours_grad_err = max_relative_grad_error(_float_grads(grads), exact_grads)
+        assert ours_grad_err <= 2 * dense_grad_err + 1e-2, (ours_grad_err, dense_grad_err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expand_runs_without_the_math_kernel(dtype, monkeypatch):
+    """With the math kernel removed from the allowed SDPA kernels, expand still runs forward and backward (SDPA
+    raises when no allowed kernel takes a call): masked grouped-query attention reaches a fused kernel."""
+    monkeypatch.setattr(expand, "KERNEL_PRIORITY", ("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "CUDNN_ATTENTION"))
+    model = cuda_model("llama", dtype)  # 4 query heads over 2 KV heads
+    prompts, pmask, comps, cmask = cuda_batch()
+    out = compute_logps(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, backend="expand")
+    weighted_loss(out).backward()
+    assert torch.isfinite(out.logps).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+class InductorGraphCounter:
+    """A torch.compile backend that counts its graphs (flex_attention and block-mask graphs apart) and compiles them
+    with inductor."""
+
+    def __init__(self):
+        self.counts = collections.Counter()
+
+    def __call__(self, gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        is_flex = any("flex_attention" in str(node.target) for node in gm.graph.nodes)
+        self.counts["flex" if is_flex else "mask"] += 1
+        return compile_fx(gm, example_inputs)
+
+
+#: (prompts, generations, prompt length, completion length): one to several blocks of 128 in both phases.
+COMPILE_SHAPES = [
+    (2, 2, 9, 5),
+    (3, 4, 13, 8),
+    (1, 3, 40, 20),
+    (4, 2, 7, 3),
+    (2, 5, 150, 30),
+    (3, 3, 60, 140),
+    (5, 1, 11, 11),
+    (2, 8, 300, 17),
+]
+
+
+def test_flex_compilations_are_bounded_on_cuda(monkeypatch):
+    """8 shapes x score/train/chunked x Qwen2 and Gemma2 (windows None and int): one flex graph per grad mode and
+    family, one block-mask graph in all, results exact against dense."""
+    counter = InductorGraphCounter()
+    monkeypatch.setitem(flex._COMPILE_BACKENDS, "cuda", counter)
+    per_family = {}
+    for family in ("qwen2", "gemma2"):
+        model = cuda_model(family)
+        before = counter.counts["flex"]
+        for index, shape in enumerate(COMPILE_SHAPES):
+            batch = cuda_batch(*shape, seed=index)
+            ref_logps, _, ref_grads = dense_reference(model, batch)
+            for mode in ("score", "train", "chunked"):
+                logps, _, grads = run_mode(model, mode, "flex", batch)
+                assert (logps - ref_logps).abs().max() <= FP32_LOGPS_TOL, (family, index, mode)
+                if grads is not None:
+                    assert max_relative_grad_error(grads, ref_grads) <= FP32_GRAD_TOL, (family, index, mode)
+        per_family[family] = counter.counts["flex"] - before
+    assert all(1 <= n <= 2 for n in per_family.values()), per_family
+    assert counter.counts["mask"] == 1, counter.counts
+
+
+def test_logsoftmax_gather_past_int32_indexing():
+    """N x V > 2^31 logits: offsets of the last rows overflow int32, so the kernel must index in int64."""
+    from shared_prefix_logps.kernels import logsoftmax_gather
+
+    vocab = 151936
+    rows = 2**31 // vocab + 300
+    assert rows * vocab > 2**31
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    logits = torch.randn(rows, vocab, device=CUDA, dtype=torch.bfloat16, generator=gen).mul_(3).requires_grad_()
+    targets = torch.randint(0, vocab, (rows,), device=CUDA, generator=gen)
+    logps, entropy = logsoftmax_gather(logits, targets, temperature=0.7, return_entropy=True)
+    upstream = torch.randn(rows, device=CUDA, generator=gen)
+    (logps * upstream).sum().backward()
+    # Reference in float32, a slice of rows at a time; the first rows and those past 2^31 elements for the gradient.
+    past = 2**31 // vocab
+    for start in range(0, rows, 2048):
+        part = slice(start, min(start + 2048, rows))
+        log_probs = torch.log_softmax(logits.detach()[part].float() / 0.7, dim=-1)
+        want = log_probs.gather(1, targets[part, None]).squeeze(1)
+        want_entropy = -(log_probs.exp() * log_probs).sum(1)
+        assert (logps[part] - want).abs().max() <= 2e-5, start
+        assert (entropy[part] - want_entropy).abs().max() <= 2e-5, start
+    for part in (slice(0, 64), slice(past - 8, rows)):
+        log_probs = torch.log_softmax(logits.detach()[part].float() / 0.7, dim=-1)
+        onehot = torch.nn.functional.one_hot(targets[part], vocab).float()
+        want_grad = upstream[part, None] * (onehot - log_probs.exp()) / 0.7
+        assert (logits.grad[part].float() - want_grad).abs().max() <= 2**-7 * want_grad.abs().max() + 1e-6
+
+
+# Peak memory at P=16k, G=64, C=1k on a small Qwen2 with a real vocabulary (the dense path's logits dominate it).
+PEAK_PROMPT, PEAK_G, PEAK_COMPLETION, PEAK_VOCAB = 16384, 64, 1024, 151936
+
+
+def small_qwen2():
+    import transformers
+
+    config = transformers.Qwen2Config(
+        vocab_size=PEAK_VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(config).to(CUDA, torch.bfloat16)
+
+
+@pytest.mark.parametrize("mode", ["score", "train", "chunked"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_peak_memory_at_16k_prompt_64_generations(backend, mode):
+    from shared_prefix_logps.bench.memory import peak_memory
+
+    model = small_qwen2()
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    prompts = torch.randint(0, PEAK_VOCAB, (1, PEAK_PROMPT), device=CUDA, generator=gen)
+    comps = torch.randint(0, PEAK_VOCAB, (PEAK_G, PEAK_COMPLETION), device=CUDA, generator=gen)
+    with peak_memory(CUDA) as measured:
+        if mode == "score":
+            with torch.no_grad():
+                out = compute_logps(model, prompts, comps, backend=backend)
+        elif mode == "train":
+            out = compute_logps(model, prompts, comps, backend=backend)
+            out.logps.sum().backward()
+        else:
+            out = chunked_backward(
+                model, prompts, comps, lambda o, r: o.logps.sum(), generations_per_chunk=8, backend=backend
+            )
+    assert torch.isfinite(out.logps).all() and (out.logps <= 0).all()
+    # What the dense path materializes at the least, from shapes: the completion tokens' logits in bf16, their
+    # float32 copy and the float32 log-softmax (rows x C x V each), before any activation of G x (P + C) tokens.
+    dense_floor = PEAK_G * PEAK_COMPLETION * PEAK_VOCAB * (2 + 4 + 4)
+    peak = measured["peak_bytes"]
+    print(f"{backend} {mode}: peak {peak / 2**30:.2f} GiB, dense needs > {dense_floor / 2**30:.1f} GiB")
+    assert peak <= dense_floor / 3, (peak, dense_floor)

@@ -2,7 +2,7 @@
 
 from .api import compute_logps, compute_logps_concatenated
 from .chunked import chunked_backward
-from .model_support import UnsupportedModelError
+from .errors import UnsupportedModelError
 from .output import LogpsOutput
 
 __all__ = [

@@ -8,7 +8,7 @@ from torch import nn
 from .backends.dense import dense_logps
 from .backends.flex import backward_available, flex_available
 from .inputs import GroupedBatch, check_options, group_batch, split_concatenated
-from .model_support import PreparedModel, prepare_model
+from .model import PreparedModel, prepare_model
 from .moe_router import RouterStats, router_spec
 from .output import LogpsOutput, write_rows
 from .phases import capture_prefix, score_rows, score_rows_routed

@@ -17,7 +17,7 @@ from torch import nn
 from .api import resolve_attention_backend
 from .forward.context import CaptureContext
 from .inputs import check_options, group_batch
-from .model_support import prepare_model
+from .model import prepare_model
 from .moe_router import RouterStats, router_spec
 from .output import LogpsOutput, write_rows
 from .phases import capture_prefix, score_rows, score_rows_routed

@@ -222,7 +222,7 @@ def normalize_completions(completions, completion_mask, *, device, vocab_size) -
 
 def check_rope_length(model, row_width: int) -> None:
     """Refuse rows longer than the model's RoPE serves with length-independent frequencies (see
-    :func:`~shared_prefix_logps.model_support.rope_length_limit`): there the two phases would rotate the prompt's
+    :func:`~shared_prefix_logps.model.discovery.rope_length_limit`): there the two phases would rotate the prompt's
     keys and the completion's queries with other frequencies than the model's full-row forward."""
     limit = getattr(model, "rope_length_limit", None)
     if limit is not None and row_width > limit:
@@ -239,7 +239,7 @@ def group_batch(prompts, completions, prompt_mask, completion_mask, *, model) ->
     """Validate the ``compute_logps`` inputs: G = rows // prompts consecutive completions per prompt.
 
     ``model`` gives the device and vocabulary limits (``device``, ``input_vocab_size``, ``output_vocab_size``:
-    a :class:`~shared_prefix_logps.model_support.PreparedModel`).
+    a :class:`~shared_prefix_logps.model.PreparedModel`).
     """
     device, input_vocab_size, output_vocab_size = model.device, model.input_vocab_size, model.output_vocab_size
     prompt_ids, prompt_mask = normalize_prompts(prompts, prompt_mask, device=device, vocab_size=input_vocab_size)

@@ -21,7 +21,8 @@ import torch
 from .forward.context import CONTEXT_KWARG, CaptureContext, PhaseHandle, SharedContext, activated
 from .forward.routing import release
 from .inputs import GroupedBatch
-from .model_support import PreparedModel, force_non_reentrant_checkpointing
+from .model import PreparedModel
+from .model.installation import force_non_reentrant_checkpointing
 from .moe_router import token_sums
 from .output import scatter_valid
 

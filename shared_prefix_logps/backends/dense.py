@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..inputs import GroupedBatch
-from ..model_support import PreparedModel
+from ..model import PreparedModel
 
 
 def dense_logps(

@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-from ..model_support import unwrap_causal_lm
+from ..model import unwrap_causal_lm
 
 #: Name of PrefixGrouper's attention function in transformers' ``AttentionInterface`` (set by its registration).
 PG_ATTENTION_NAME = "prefix_grouper_attention"

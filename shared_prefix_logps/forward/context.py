@@ -84,7 +84,7 @@ class SharedContext:
         temperature: divides the logits before the log-softmax.
         return_entropy: whether the head also computes the entropy of each valid token's distribution.
         needs_grad: whether the caller expects gradients.
-        head_spec: the model's :class:`~shared_prefix_logps.model_support.HeadSpec` (scale, softcap, lm_head).
+        head_spec: the model's :class:`~shared_prefix_logps.model.HeadSpec` (scale, softcap, lm_head).
         packed: the layout; when packed, ``query_rows`` (num_valid,) int64 gives each query token's row.
         logps / entropy: (num_valid,) float32: written by the lm_head proxy (riding on its output, ``route``), then
             replaced by the ones released from the model's output.
@@ -121,7 +121,7 @@ class HeadCheckContext:
     """A plain forward during which the lm_head proxy also computes the fused head's logits, for comparison.
 
     Attributes:
-        spec: the model's :class:`~shared_prefix_logps.model_support.HeadSpec`.
+        spec: the model's :class:`~shared_prefix_logps.model.HeadSpec`.
         fused_logits: (tokens, V) float32 logits of the fused computation on the lm_head's input, written by the
             proxy; the proxy returns the module's own output unchanged.
         calls: how many times the lm_head ran in the forward.

@@ -82,7 +82,7 @@ def test_flex_phase2_without_valid_tokens_forwards_one_placeholder():
     query, but a forward needs a token. One placeholder query is forwarded, the head computes nothing for it, and the
     rows come back all zero."""
     from shared_prefix_logps.inputs import group_batch
-    from shared_prefix_logps.model_support import prepare_model
+    from shared_prefix_logps.model import prepare_model
     from shared_prefix_logps.phases import capture_prefix, score_rows
 
     model = build_model("gemma2")

@@ -5,7 +5,8 @@ from support.tiny_models import VOCAB, build_model, make_batch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from shared_prefix_logps import compute_logps, model_support
+from shared_prefix_logps import compute_logps
+from shared_prefix_logps.forward import head_proxy
 
 CHUNK = 8
 
@@ -30,7 +31,7 @@ class VocabSizedAllocations(TorchDispatchMode):
 
 
 def _run(backend, monkeypatch):
-    monkeypatch.setattr(model_support, "HEAD_CHUNK_ROWS", CHUNK)
+    monkeypatch.setattr(head_proxy, "HEAD_CHUNK_ROWS", CHUNK)
     model = build_model("qwen3")  # untied: no (V, H) embedding gradient with a last axis of V either
     prompts, pmask, comps, cmask = make_batch(2, 4, prompt_len=7, completion_len=9, seed=2)
     assert cmask.sum() > 4 * CHUNK  # enough tokens that full logits would be several chunks

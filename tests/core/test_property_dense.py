@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 from support.exactness import max_relative_grad_error, parameter_grads
 from support.tiny_models import VOCAB, build_model
 
-from shared_prefix_logps import LogpsOutput, chunked_backward, compute_logps, compute_logps_concatenated, model_support
+from shared_prefix_logps import LogpsOutput, chunked_backward, compute_logps, compute_logps_concatenated
+from shared_prefix_logps.forward import head_proxy
 
 # Eager flex_attention on CPU warns that it is unfused; that is expected here.
 pytestmark = [
@@ -237,12 +238,12 @@ def _check_grads(grads, expected, exact_grads) -> None:
 @contextmanager
 def head_chunk_rows_set_to(rows):
     """The fused head's row chunk set for one example, restored afterwards."""
-    saved = model_support.HEAD_CHUNK_ROWS
-    model_support.HEAD_CHUNK_ROWS = rows
+    saved = head_proxy.HEAD_CHUNK_ROWS
+    head_proxy.HEAD_CHUNK_ROWS = rows
     try:
         yield
     finally:
-        model_support.HEAD_CHUNK_ROWS = saved
+        head_proxy.HEAD_CHUNK_ROWS = saved
 
 
 COMMON_SETTINGS = dict(

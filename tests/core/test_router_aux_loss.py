@@ -11,8 +11,7 @@ import torch
 from support.exactness import max_relative_grad_error, parameter_grads, weighted_loss
 from support.tiny_models import NOT_ROUTED, build_model, make_batch
 
-from shared_prefix_logps import api, chunked_backward, compute_logps, compute_logps_concatenated
-from shared_prefix_logps.model_support import UnsupportedModelError
+from shared_prefix_logps import UnsupportedModelError, api, chunked_backward, compute_logps, compute_logps_concatenated
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),

@@ -8,7 +8,7 @@ from support.tiny_models import MORE_FAMILIES, NOT_ROUTED, build_model, make_bat
 
 from shared_prefix_logps import compute_logps
 from shared_prefix_logps.backends.expand import masked_attention
-from shared_prefix_logps.model_support import SUPPORTED_MODEL_TYPES, UnsupportedModelError
+from shared_prefix_logps.model import SUPPORTED_MODEL_TYPES, UnsupportedModelError
 
 # Eager flex_attention on CPU warns that it is unfused; that is expected here.
 pytestmark = [

@@ -217,7 +217,7 @@ def test_wrapper_with_own_config_that_forwards_attributes_is_unwrapped():
 
 
 def test_partitioned_parameter_reports_its_full_shape():
-    from shared_prefix_logps.model_support import full_shape
+    from shared_prefix_logps.model.discovery import full_shape
 
     # What DeepSpeed ZeRO-3 leaves outside a forward: an empty placeholder, the real shape in ds_shape.
     placeholder = torch.nn.Parameter(torch.empty(0))

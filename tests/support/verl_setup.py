@@ -340,7 +340,7 @@ class TokenCounter:
     """Counts the token ids the model's input embedding receives (every forward, padding included)."""
 
     def __init__(self, engine):
-        from shared_prefix_logps.model_support import unwrap_causal_lm
+        from shared_prefix_logps.model import unwrap_causal_lm
 
         embedding = unwrap_causal_lm(engine.module).get_input_embeddings()
         self.tokens = 0

@@ -39,7 +39,7 @@ def check_aux_loss_supported(trainer) -> None:
         return
     from accelerate.utils import DistributedType
 
-    from ...model_support import unwrap_causal_lm
+    from ...model import unwrap_causal_lm
     from ...moe_router import AUX_LOSS_MODEL_TYPES
 
     coef = getattr(trainer, "router_aux_loss_coef", None)

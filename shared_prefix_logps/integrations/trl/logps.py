@@ -22,7 +22,8 @@ import inspect
 import torch
 
 from ...api import compute_logps_concatenated
-from ...model_support import UnsupportedModelError, unwrap_causal_lm
+from ...errors import UnsupportedModelError
+from ...model import unwrap_causal_lm
 from ..common.modules import AutocastForward, dropout_active, eval_mode
 from ..common.rows import layout_problem
 from ..common.self_check import SelfCheck, SelfCheckError, compare

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...model_support import prepare_model
+from ...model import prepare_model
 from ..common.lockstep import Lockstep
 from ..common.patching import Unpatched, replace_attribute, restore_attributes
 from ..common.self_check import default_tolerance

@@ -208,7 +208,7 @@ def test_model_configured_for_flash_attention_2(model_path):
     log-probs and the first training step's gradient norm equal the unpatched sdpa engine's. The self-check is off:
     verl's own step would call the flash-attn kernel."""
     from shared_prefix_logps.integrations.verl import get_patch, patch_verl_engine, unpatch_verl_engine
-    from shared_prefix_logps.model_support import unwrap_causal_lm
+    from shared_prefix_logps.model import unwrap_causal_lm
 
     ours, theirs = vs.build_engine(model_path), vs.build_engine(model_path)
     unpatch_verl_engine(theirs)

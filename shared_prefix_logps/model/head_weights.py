@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .errors import UnsupportedModelError
+from ..errors import UnsupportedModelError
 
 
 class UnsupportedHeadError(UnsupportedModelError):

@@ -17,7 +17,7 @@ from torch import nn
 from .api import resolve_backend
 from .context import CaptureContext
 from .inputs import check_options, group_batch
-from .model_support import prepare_model
+from .model_support import PreparedModel, prepare_model
 from .output import LogpsOutput, write_rows
 from .phases import capture_prefix, score_rows
 
@@ -57,7 +57,10 @@ def chunked_backward(
 
     Notes:
         Each chunk calls ``backward``, and the prompt one more; under DDP wrap the call in ``model.no_sync()`` except
-        for the step that should synchronize, or gradients are all-reduced more than once.
+        for the step that should synchronize, or gradients are all-reduced more than once. Under FSDP2 and FSDP1
+        (``FullyShardedDataParallel``) each backward reduce-scatters what it produced (or, under ``no_sync``,
+        accumulates locally) and the shards add up to the full gradient; under FSDP1 the prompt's backward is
+        preceded by a one-token forward that re-arms FSDP1's backward hooks (:class:`_FSDP1Backward`).
 
         Pass a DeepSpeed engine itself (what ``deepspeed.initialize`` returns), then call ``engine.step()`` as after
         ``engine.backward(loss)``: every backward runs through ``engine.backward`` (scaled by its gradient
@@ -71,8 +74,8 @@ def chunked_backward(
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if not torch.is_grad_enabled():
         raise RuntimeError("chunked_backward runs backward passes; call it with gradients enabled")
-    backward = _backward_driver(model)
     prepared = prepare_model(model)
+    backward = _backward_driver(prepared)
     batch = group_batch(prompts, completions, prompt_mask, completion_mask, model=prepared)
     rows, length = batch.completion_ids.shape
     num_prompts = batch.prompt_ids.shape[0]
@@ -172,9 +175,11 @@ def _backward_through_prompt(backward, capture: CaptureContext, leaves: CaptureC
     backward.tensors(tensors, grads)
 
 
-def _backward_driver(model: nn.Module):
-    """How this call runs its backward passes: plain autograd, or through a DeepSpeed engine; refused for FSDP1."""
-    _refuse_fsdp1(model)
+def _backward_driver(prepared: PreparedModel):
+    """How this call runs its backward passes: plain autograd, re-armed for FSDP1, or through a DeepSpeed engine."""
+    model = prepared.outer
+    if _has_fsdp1(model):
+        return _FSDP1Backward(prepared)
     deepspeed = sys.modules.get("deepspeed")
     engine_type = getattr(deepspeed, "DeepSpeedEngine", None) if deepspeed is not None else None
     if engine_type is not None and isinstance(model, engine_type):
@@ -255,18 +260,42 @@ class _DeepSpeedBackward:
             self.engine.set_gradient_accumulation_boundary(self.override)
 
 
-def _refuse_fsdp1(model: nn.Module) -> None:
-    """FSDP1 (``FullyShardedDataParallel``) cannot serve several backwards through one forward: after the first
-    chunk's backward it frees the unsharded parameters that the prompt's graph still needs, and the final backward
-    through the prompt reads freed storage (a crash seen on CPU/gloo, not a wrong number). FSDP2 (``fully_shard``)
-    re-gathers per backward and is supported."""
+def _has_fsdp1(model: nn.Module) -> bool:
+    """Whether some module of ``model`` is an FSDP1 ``FullyShardedDataParallel`` unit."""
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover - torch built without distributed
-        return
-    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
-        raise NotImplementedError(
-            "chunked_backward does not support FSDP1 (FullyShardedDataParallel): it backpropagates several times "
-            "through one forward, which FSDP1 cannot; wrap the model with FSDP2 (torch.distributed.fsdp.fully_shard) "
-            "or call compute_logps and backward once"
-        )
+        return False
+    return any(isinstance(module, FullyShardedDataParallel) for module in model.modules())
+
+
+class _FSDP1Backward(_PlainBackward):
+    """Backward passes of one call under FSDP1 (``FullyShardedDataParallel``).
+
+    Each chunk is an ordinary forward and backward. The prompt's backward is not: its graph was built by Phase 1's
+    forward, before the chunks' forwards and backwards, and FSDP1 arms a unit's backward in the *latest* forward and
+    disarms it at the end of every backward (the root's final callback clears each unit's "unshard before backward"
+    flag and removes the reduce-scatter hook from its flat parameter's ``AccumulateGrad``). Run as is, the prompt's
+    backward meets sharded units: its pre-backward hooks fire but unshard nothing, and the layers' saved weights
+    (views of the freed unsharded flat parameters) are read from freed storage (a segfault on CPU/gloo), with no
+    reduce-scatter of the prompt's gradient.
+
+    So right before it, one grad-enabled one-token forward of the outer module re-arms every unit exactly as a forward
+    does (flags set, hooks registered on the same ``AccumulateGrad`` nodes the prompt's graph leads to); its output
+    is dropped and never backpropagated, so it adds nothing to any gradient. The prompt's backward is then an
+    ordinary FSDP1 backward: each unit unshards in its pre-backward hook, reduce-scatters (or, under ``no_sync``,
+    accumulates) and reshards after its gradient is complete. Every backward reduce-scatters its own gradient and
+    FSDP1 adds the shards, so the step's gradient is the sum over chunks and prompt, as without sharding.
+    """
+
+    def __init__(self, prepared: PreparedModel):
+        self.prepared = prepared
+
+    def tensors(self, tensors: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+        self._rearm()
+        super().tensors(tensors, grads)
+
+    def _rearm(self) -> None:
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.prepared.device)
+        with torch.enable_grad():
+            self.prepared.outer(input_ids=ids, use_cache=False)

@@ -49,16 +49,22 @@ def _fsdp_version(accelerator) -> int | None:
     return getattr(plugin, "fsdp_version", 1) if plugin is not None else None
 
 
+def _fsdp1_orig_params(accelerator) -> bool:
+    return bool(getattr(accelerator.state.fsdp_plugin, "use_orig_params", False))
+
+
 def check_chunked_supported(trainer) -> None:
     """Refuse configurations the chunked step cannot reproduce exactly, with the reason."""
     from accelerate.utils import DistributedType
 
     accelerator = trainer.accelerator
     kind = accelerator.distributed_type
-    if kind == DistributedType.FSDP and _fsdp_version(accelerator) != 2:
+    if kind == DistributedType.FSDP and _fsdp_version(accelerator) == 1 and not _fsdp1_orig_params(accelerator):
+        # chunked_backward under FSDP1 is tested with use_orig_params=True (tests/test_fsdp.py,
+        # tests/test_trl_fsdp.py); the flat-parameter variant is not.
         raise NotImplementedError(
-            "mode='chunked' supports accelerate's FSDP2 (fsdp_version=2) only; FSDP1 is untested with several "
-            "backward calls per micro-batch. Use fsdp_version=2, or mode='logps'."
+            "mode='chunked' under accelerate's FSDP1 needs use_orig_params=True (fsdp_config={'use_orig_params': "
+            "True}); without it, it is untested. Set it, use fsdp_version=2, or mode='logps'."
         )
     if kind in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
         raise NotImplementedError(

@@ -15,8 +15,9 @@ training step calls in between:
 - ``trainer.accelerator.backward``: skipped for that returned (already back-propagated) loss; any other loss is
   back-propagated as usual. Under DDP the gradients are then averaged at the accumulation boundary (``.distributed``).
 
-Under FSDP2 the chunked calls go through the sharded model and FSDP reduce-scatters as usual; the micro-batch then
-runs as one ``chunked_backward`` call of a shape all processes agree on, so that they stay in step (``.distributed``).
+Under FSDP (FSDP2, or FSDP1 with ``use_orig_params``) the chunked calls go through the sharded model and FSDP
+reduce-scatters as usual; the micro-batch then runs as one ``chunked_backward`` call of a shape all processes agree
+on, so that they stay in step (``.distributed``).
 
 The loss gradient is checked against TRL's own (``self_check``): TRL's ``_compute_loss`` is differentiated with
 respect to leaf log-probs/entropies and compared with ``grpo_loss``'s gradient, on the first micro-batch where TRL's

@@ -86,7 +86,7 @@ def patch_grpo_trainer(
     Raises:
         UnsupportedModelError: the policy or reference model cannot take the shared path.
         NotImplementedError: the trainer adds the MoE router aux loss (``aux_loss_enabled``; either mode), or
-            ``mode="chunked"`` under DeepSpeed, FSDP1 or Megatron, with a LOMO
+            ``mode="chunked"`` under DeepSpeed, FSDP1 without ``use_orig_params`` or Megatron, with a LOMO
             optimizer, or a trainer subclass that overrides ``_compute_loss``.
         ValueError / TypeError: bad options, or not a GRPOTrainer, or already patched.
     """

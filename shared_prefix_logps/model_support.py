@@ -14,6 +14,7 @@ Preparing a model (idempotent, once per model) does three things, all pass-throu
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from dataclasses import dataclass
@@ -408,6 +409,19 @@ def _head_signature(prepared: PreparedModel) -> tuple:
     return (id(lm_head), head_state(lm_head), tuple(hooks), global_hooks, spec.scale, spec.softcap)
 
 
+def _gathered_outside_engine(module: nn.Module):
+    """ZeRO-3 parameters partitioned outside an engine (``deepspeed.zero.Init``, as transformers loads a model under
+    a ZeRO-3 config, before ``deepspeed.initialize`` installs the hooks that gather them in each forward) are empty
+    tensors: gather them for the block (a collective, as the engine's own forward would be). A module an engine has
+    registered (its modules carry ``ds_id``) gathers its parameters itself."""
+    params = [param for param in module.parameters() if hasattr(param, "ds_id")]
+    if not params or hasattr(module, "ds_id"):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params)
+
+
 def _verify_head(prepared: PreparedModel) -> None:
     """Compare the fused head's logits with the model's own on a few tokens, inside one ordinary forward of the
     outermost module; raise if they differ."""
@@ -419,7 +433,7 @@ def _verify_head(prepared: PreparedModel) -> None:
     positions = torch.arange(ids.shape[1], device=prepared.device)[None]
     attend = CaptureContext(key_valid=torch.ones_like(ids, dtype=torch.bool), positions=positions, needs_grad=False)
     try:
-        with torch.no_grad(), activated(check):
+        with torch.no_grad(), _gathered_outside_engine(prepared.causal_lm), activated(check):
             output = prepared.outer(
                 input_ids=ids, position_ids=positions, use_cache=False, **{CONTEXT_KWARG: PhaseHandle(attend)}
             )

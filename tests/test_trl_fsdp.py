@@ -238,26 +238,3 @@ def test_chunked_mode_refuses_flat_fsdp1_deepspeed_and_megatron():
     for version, orig in ((2, None), (1, True)):
         with pytest.raises(NotImplementedError, match="lacks"):
             check_chunked_supported(trainer(DistributedType.FSDP, fsdp_version=version, use_orig_params=orig))
-
-
-def test_both_modes_refuse_deepspeed_zero3():
-    """Under ZeRO-3 two patched CPU processes hung in the first backward (per-module gathers out of step): the patch
-    refuses it by name instead; other ZeRO stages and other engines pass this check."""
-    from types import SimpleNamespace
-
-    from accelerate.utils import DistributedType
-
-    from shared_prefix_logps.integrations.trl.checks import check_not_zero3
-
-    def trainer(kind, stage=None):
-        plugin = None if stage is None else SimpleNamespace(zero_stage=stage)
-        return SimpleNamespace(
-            accelerator=SimpleNamespace(distributed_type=kind, state=SimpleNamespace(deepspeed_plugin=plugin))
-        )
-
-    with pytest.raises(NotImplementedError, match="ZeRO-3"):
-        check_not_zero3(trainer(DistributedType.DEEPSPEED, stage=3))
-    for stage in (0, 1, 2):
-        check_not_zero3(trainer(DistributedType.DEEPSPEED, stage=stage))
-    check_not_zero3(trainer(DistributedType.FSDP))
-    check_not_zero3(trainer(DistributedType.NO))

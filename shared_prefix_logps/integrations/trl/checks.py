@@ -5,27 +5,6 @@ from __future__ import annotations
 from .loss import REQUIRED_ARGS, REQUIRED_TRAINER_ATTRIBUTES
 
 
-def check_not_zero3(trainer) -> None:
-    """Refuse DeepSpeed ZeRO-3 (either mode): its parameter gathers pair up between processes submodule by
-    submodule, and the patched trainer's forwards were seen to gather for different submodules on different processes
-    (no lm_head gather in some no-grad forwards), so two CPU processes hung in the first backward. A refusal is better
-    than a hang; the core's own calls under ZeRO-3 are tested (tests/test_deepspeed.py)."""
-    try:
-        from accelerate.utils import DistributedType
-    except ImportError:  # pragma: no cover - TRL needs accelerate
-        return
-    accelerator = trainer.accelerator
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
-        return
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if getattr(plugin, "zero_stage", None) == 3:
-        raise NotImplementedError(
-            "patch_grpo_trainer does not support DeepSpeed ZeRO-3 yet: the patched trainer's processes can fall out "
-            "of step in ZeRO-3's per-module parameter gathers and hang. Use ZeRO-2 or FSDP2, or leave the trainer "
-            "unpatched."
-        )
-
-
 def check_no_aux_loss(trainer) -> None:
     """Refuse a trainer that adds the MoE router load-balancing loss to its loss (TRL's ``aux_loss_enabled``).
 

@@ -10,7 +10,7 @@ from ..common.lockstep import Lockstep
 from ..common.patching import Unpatched, replace_attribute, restore_attributes
 from ..common.self_check import default_tolerance
 from ..common.stats import PatchStats, WarnOnce
-from .checks import check_chunked_supported, check_no_aux_loss, check_not_zero3
+from .checks import check_chunked_supported, check_no_aux_loss
 from .chunked import ChunkedStep
 from .distributed import make_lockstep
 from .fp32_head import install_fp32_head, remove_fp32_head
@@ -104,7 +104,6 @@ def patch_grpo_trainer(
     if getattr(trainer, _PATCH_ATTRIBUTE, None) is not None:
         raise ValueError("this trainer is patched already; call unpatch_grpo_trainer(trainer) first")
     check_no_aux_loss(trainer)
-    check_not_zero3(trainer)
     if mode == "chunked":
         check_chunked_supported(trainer)
 

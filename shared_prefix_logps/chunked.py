@@ -17,7 +17,7 @@ from torch import nn
 from .api import resolve_backend
 from .context import CaptureContext
 from .inputs import check_options, group_batch
-from .model_support import PreparedModel, prepare_model
+from .model_support import prepare_model
 from .output import LogpsOutput, write_rows
 from .phases import capture_prefix, score_rows
 
@@ -74,8 +74,8 @@ def chunked_backward(
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if not torch.is_grad_enabled():
         raise RuntimeError("chunked_backward runs backward passes; call it with gradients enabled")
+    backward = _backward_driver(model)  # its refusals come before the model is prepared (and its head checked)
     prepared = prepare_model(model)
-    backward = _backward_driver(prepared)
     batch = group_batch(prompts, completions, prompt_mask, completion_mask, model=prepared)
     rows, length = batch.completion_ids.shape
     num_prompts = batch.prompt_ids.shape[0]
@@ -175,11 +175,11 @@ def _backward_through_prompt(backward, capture: CaptureContext, leaves: CaptureC
     backward.tensors(tensors, grads)
 
 
-def _backward_driver(prepared: PreparedModel):
+def _backward_driver(model: nn.Module):
     """How this call runs its backward passes: plain autograd, re-armed for FSDP1, or through a DeepSpeed engine."""
-    model = prepared.outer
-    if _has_fsdp1(model):
-        return _FSDP1Backward(prepared)
+    root = _fsdp1_root(model)
+    if root is not None:
+        return _FSDP1Backward(model, root.compute_device)
     deepspeed = sys.modules.get("deepspeed")
     engine_type = getattr(deepspeed, "DeepSpeedEngine", None) if deepspeed is not None else None
     if engine_type is not None and isinstance(model, engine_type):
@@ -260,13 +260,13 @@ class _DeepSpeedBackward:
             self.engine.set_gradient_accumulation_boundary(self.override)
 
 
-def _has_fsdp1(model: nn.Module) -> bool:
-    """Whether some module of ``model`` is an FSDP1 ``FullyShardedDataParallel`` unit."""
+def _fsdp1_root(model: nn.Module) -> nn.Module | None:
+    """The outermost FSDP1 ``FullyShardedDataParallel`` unit in ``model``, or None."""
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return any(isinstance(module, FullyShardedDataParallel) for module in model.modules())
+        return None
+    return next((module for module in model.modules() if isinstance(module, FullyShardedDataParallel)), None)
 
 
 class _FSDP1Backward(_PlainBackward):
@@ -288,14 +288,15 @@ class _FSDP1Backward(_PlainBackward):
     FSDP1 adds the shards, so the step's gradient is the sum over chunks and prompt, as without sharding.
     """
 
-    def __init__(self, prepared: PreparedModel):
-        self.prepared = prepared
+    def __init__(self, model: nn.Module, device: torch.device):
+        self.model = model  # the outermost module, whose forward the phases call
+        self.device = device  # FSDP1's compute device
 
     def tensors(self, tensors: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
         self._rearm()
         super().tensors(tensors, grads)
 
     def _rearm(self) -> None:
-        ids = torch.zeros((1, 1), dtype=torch.long, device=self.prepared.device)
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         with torch.enable_grad():
-            self.prepared.outer(input_ids=ids, use_cache=False)
+            self.model(input_ids=ids, use_cache=False)

@@ -65,7 +65,10 @@ def chunked_backward(
 
     Notes:
         Each chunk calls ``backward``, and the prompt one more; under DDP wrap the call in ``model.no_sync()`` except
-        for the step that should synchronize, or gradients are all-reduced more than once.
+        for the step that should synchronize, or gradients are all-reduced more than once. Under FSDP2 and FSDP1
+        (``FullyShardedDataParallel``) each backward reduce-scatters what it produced (or, under ``no_sync``,
+        accumulates locally) and the shards add up to the full gradient; under FSDP1 the prompt's backward is
+        preceded by a one-token forward that re-arms FSDP1's backward hooks (:class:`_FSDP1Backward`).
 
         Pass a DeepSpeed engine itself (what ``deepspeed.initialize`` returns), then call ``engine.step()`` as after
         ``engine.backward(loss)``: every backward runs through ``engine.backward`` (scaled by its gradient
@@ -79,7 +82,7 @@ def chunked_backward(
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if not torch.is_grad_enabled():
         raise RuntimeError("chunked_backward runs backward passes; call it with gradients enabled")
-    backward = _backward_driver(model)
+    backward = _backward_driver(model)  # its refusals come before the model is prepared (and its head checked)
     prepared = prepare_model(model)
     batch = group_batch(prompts, completions, prompt_mask, completion_mask, model=prepared)
     rows, length = batch.completion_ids.shape
@@ -210,8 +213,10 @@ def _backward_through_prompt(backward, capture: CaptureContext, leaves: CaptureC
 
 
 def _backward_driver(model: nn.Module):
-    """How this call runs its backward passes: plain autograd, or through a DeepSpeed engine; refused for FSDP1."""
-    _refuse_fsdp1(model)
+    """How this call runs its backward passes: plain autograd, re-armed for FSDP1, or through a DeepSpeed engine."""
+    root = _fsdp1_root(model)
+    if root is not None:
+        return _FSDP1Backward(model, root.compute_device)
     deepspeed = sys.modules.get("deepspeed")
     engine_type = getattr(deepspeed, "DeepSpeedEngine", None) if deepspeed is not None else None
     if engine_type is not None and isinstance(model, engine_type):
@@ -292,18 +297,43 @@ class _DeepSpeedBackward:
             self.engine.set_gradient_accumulation_boundary(self.override)
 
 
-def _refuse_fsdp1(model: nn.Module) -> None:
-    """FSDP1 (``FullyShardedDataParallel``) cannot serve several backwards through one forward: after the first
-    chunk's backward it frees the unsharded parameters that the prompt's graph still needs, and the final backward
-    through the prompt reads freed storage (a crash seen on CPU/gloo, not a wrong number). FSDP2 (``fully_shard``)
-    re-gathers per backward and is supported."""
+def _fsdp1_root(model: nn.Module) -> nn.Module | None:
+    """The outermost FSDP1 ``FullyShardedDataParallel`` unit in ``model``, or None."""
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover - torch built without distributed
-        return
-    if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
-        raise NotImplementedError(
-            "chunked_backward does not support FSDP1 (FullyShardedDataParallel): it backpropagates several times "
-            "through one forward, which FSDP1 cannot; wrap the model with FSDP2 (torch.distributed.fsdp.fully_shard) "
-            "or call compute_logps and backward once"
-        )
+        return None
+    return next((module for module in model.modules() if isinstance(module, FullyShardedDataParallel)), None)
+
+
+class _FSDP1Backward(_PlainBackward):
+    """Backward passes of one call under FSDP1 (``FullyShardedDataParallel``).
+
+    Each chunk is an ordinary forward and backward. The prompt's backward is not: its graph was built by Phase 1's
+    forward, before the chunks' forwards and backwards, and FSDP1 arms a unit's backward in the *latest* forward and
+    disarms it at the end of every backward (the root's final callback clears each unit's "unshard before backward"
+    flag and removes the reduce-scatter hook from its flat parameter's ``AccumulateGrad``). Run as is, the prompt's
+    backward meets sharded units: its pre-backward hooks fire but unshard nothing, and the layers' saved weights
+    (views of the freed unsharded flat parameters) are read from freed storage (a segfault on CPU/gloo), with no
+    reduce-scatter of the prompt's gradient.
+
+    So right before it, one grad-enabled one-token forward of the outer module re-arms every unit exactly as a forward
+    does (flags set, hooks registered on the same ``AccumulateGrad`` nodes the prompt's graph leads to); its output
+    is dropped and never backpropagated, so it adds nothing to any gradient. The prompt's backward is then an
+    ordinary FSDP1 backward: each unit unshards in its pre-backward hook, reduce-scatters (or, under ``no_sync``,
+    accumulates) and reshards after its gradient is complete. Every backward reduce-scatters its own gradient and
+    FSDP1 adds the shards, so the step's gradient is the sum over chunks and prompt, as without sharding.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        self.model = model  # the outermost module, whose forward the phases call
+        self.device = device  # FSDP1's compute device
+
+    def tensors(self, tensors: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
+        self._rearm()
+        super().tensors(tensors, grads)
+
+    def _rearm(self) -> None:
+        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        with torch.enable_grad():
+            self.model(input_ids=ids, use_cache=False)

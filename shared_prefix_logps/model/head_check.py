@@ -4,7 +4,10 @@ its verdict depends on changes (:func:`head_signature`)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+from torch import nn
 
 from ..errors import UnsupportedModelError
 from ..forward.context import CONTEXT_KWARG, CaptureContext, HeadCheckContext, PhaseHandle, activated
@@ -28,6 +31,19 @@ def head_signature(prepared) -> tuple:
     return (id(lm_head), head_state(lm_head), tuple(hooks), global_hooks, spec.scale, spec.softcap)
 
 
+def _gathered_outside_engine(module: nn.Module):
+    """ZeRO-3 parameters partitioned outside an engine (``deepspeed.zero.Init``, as transformers loads a model under
+    a ZeRO-3 config, before ``deepspeed.initialize`` installs the hooks that gather them in each forward) are empty
+    tensors: gather them for the block (a collective, as the engine's own forward would be). A module an engine has
+    registered (its modules carry ``ds_id``) gathers its parameters itself."""
+    params = [param for param in module.parameters() if hasattr(param, "ds_id")]
+    if not params or hasattr(module, "ds_id"):
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(params)
+
+
 def verify_head(prepared) -> None:
     """Compare the fused head's logits with the model's own on a few tokens, inside one ordinary forward of the
     outermost module; raise if they differ."""
@@ -39,7 +55,7 @@ def verify_head(prepared) -> None:
     positions = torch.arange(ids.shape[1], device=prepared.device)[None]
     attend = CaptureContext(key_valid=torch.ones_like(ids, dtype=torch.bool), positions=positions, needs_grad=False)
     try:
-        with torch.no_grad(), activated(check):
+        with torch.no_grad(), _gathered_outside_engine(prepared.causal_lm), activated(check):
             output = prepared.outer(
                 input_ids=ids, position_ids=positions, use_cache=False, **{CONTEXT_KWARG: PhaseHandle(attend)}
             )

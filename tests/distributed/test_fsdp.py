@@ -3,8 +3,9 @@ the input embedding and an untied lm_head their own units, then the root; ``resh
 inputs cast by the mixed-precision policy; optionally non-reentrant activation checkpointing and LoRA.
 
 Every call goes through the wrapped model: no-grad ``compute_logps_concatenated``, grad-enabled ``compute_logps``
-and ``chunked_backward``. Log-probs are compared with the single-process dense path on each rank's batch, and every
-parameter's full gradient with the average of the two ranks' dense gradients (what FSDP's reduce-scatter computes).
+and ``chunked_backward`` (under FSDP1 also twice, the first under ``no_sync``, as gradient accumulation runs it).
+Log-probs are compared with the single-process dense path on each rank's batch, and every parameter's full gradient
+with the average of the two ranks' dense gradients (what FSDP's reduce-scatter computes).
 """
 
 from __future__ import annotations
@@ -119,30 +120,35 @@ def _worker(rank, port, results, engine, family, lora, checkpointing):
         weighted_loss(out).backward()
         grads = _full_grads(engine, wrapped, names)
         wrapped.zero_grad(set_to_none=True)
-        if engine == "fsdp1":
-            with pytest.raises(NotImplementedError, match="FSDP1"):
-                chunked_backward(wrapped, prompts, comps, weighted_loss, generations_per_chunk=1, prompt_mask=pmask)
-            results[rank] = dict(scored=scored.logps, logps=out.logps.detach(), grads=grads)
-            dist.barrier()
-            return
-        chunked = chunked_backward(
-            wrapped,
-            prompts,
-            comps,
-            weighted_loss,
-            generations_per_chunk=1,
-            prompt_mask=pmask,
-            completion_mask=cmask,
-            return_entropy=True,
-        )
-        chunked_grads = _full_grads(engine, wrapped, names)
+
+        def chunked_call():
+            return chunked_backward(
+                wrapped,
+                prompts,
+                comps,
+                weighted_loss,
+                generations_per_chunk=1,
+                prompt_mask=pmask,
+                completion_mask=cmask,
+                return_entropy=True,
+            )
+
+        chunked = chunked_call()
         results[rank] = dict(
             scored=scored.logps,
             logps=out.logps.detach(),
             chunked=chunked.logps,
             grads=grads,
-            chunked_grads=chunked_grads,
+            chunked_grads=_full_grads(engine, wrapped, names),
         )
+        if engine == "fsdp1":
+            # Gradient accumulation as trainers run it: a micro-batch under no_sync (gradients stay unsharded and
+            # local), then a synchronizing one that reduce-scatters the sum: twice the one-call gradient.
+            wrapped.zero_grad(set_to_none=True)
+            with wrapped.no_sync():
+                chunked_call()
+            chunked_call()
+            results[rank] = {**results[rank], "accumulated_grads": _full_grads(engine, wrapped, names)}
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -182,10 +188,12 @@ def test_fsdp_matches_dense(engine, family, lora, checkpointing):
     for rank in range(2):
         got = results[rank]
         for key in ("scored", "logps", "chunked"):
-            if key in got:  # FSDP1 refuses chunked_backward (see the worker)
-                assert (got[key] - dense_logps[rank]).abs().max() <= 1e-5, (rank, key)
-        for key in ("grads", "chunked_grads")[: 1 if engine == "fsdp1" else 2]:
+            assert (got[key] - dense_logps[rank]).abs().max() <= 1e-5, (rank, key)
+        for key in ("grads", "chunked_grads", "accumulated_grads"):
+            if key not in got:  # accumulated_grads: FSDP1 only (see the worker)
+                continue
             for name, reference in dense_grads.items():
+                reference = 2 * reference if key == "accumulated_grads" else reference
                 grad = got[key][name]
                 assert grad is not None, (rank, key, name)
                 error = (grad - reference).norm().item()

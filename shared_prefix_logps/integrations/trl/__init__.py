@@ -20,10 +20,11 @@ Distributed: ``mode="logps"`` calls the wrapped model as TRL does; under DDP, DD
 ``mode="chunked"`` the grad-enabled forwards run the module inside DDP and the gradients are averaged once per
 optimizer step, after the backward that ends the accumulation window (``.distributed``). Under accelerate's FSDP both
 modes call the sharded model, FSDP gathers and reduce-scatters as usual, and the processes are kept making the same
-model calls whatever their rows (``.distributed``); tested with FSDP2, and ``mode="chunked"`` refuses FSDP1. Under
-DeepSpeed ZeRO-3 both modes refuse (its per-module parameter gathers fell out of step between processes and hung);
-under ZeRO-0/1/2 ``mode="logps"`` calls the wrapped model as TRL does (untested) and ``mode="chunked"`` refuses it,
-as it refuses Megatron.
+model calls whatever their rows (``.distributed``); tested with FSDP2 and FSDP1 (``mode="chunked"`` needs
+``use_orig_params=True`` under FSDP1). Under DeepSpeed ZeRO-3 ``mode="logps"`` calls the engine as TRL does, with
+the same lockstep, whose padding forwards call the submodules the padded forwards call (ZeRO-3 gathers per
+submodule); tested. Under ZeRO-0/1/2 ``mode="logps"`` calls the wrapped model as TRL does (untested).
+``mode="chunked"`` refuses DeepSpeed, as it refuses Megatron.
 
 Modules: ``patch`` (the handle, patching and undoing), ``checks`` (settings refused at patch time), ``logps`` (the
 log-prob method), ``chunked`` (the chunked training step), ``loss`` (TRL's micro-batch loss for chunks),

@@ -5,27 +5,6 @@ from __future__ import annotations
 from .loss import REQUIRED_ARGS, REQUIRED_TRAINER_ATTRIBUTES
 
 
-def check_not_zero3(trainer) -> None:
-    """Refuse DeepSpeed ZeRO-3 (either mode): its parameter gathers pair up between processes submodule by
-    submodule, and the patched trainer's forwards were seen to gather for different submodules on different processes
-    (no lm_head gather in some no-grad forwards), so two CPU processes hung in the first backward. A refusal is better
-    than a hang; the core's own calls under ZeRO-3 are tested (tests/distributed/test_deepspeed.py)."""
-    try:
-        from accelerate.utils import DistributedType
-    except ImportError:  # pragma: no cover - TRL needs accelerate
-        return
-    accelerator = trainer.accelerator
-    if accelerator.distributed_type != DistributedType.DEEPSPEED:
-        return
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if getattr(plugin, "zero_stage", None) == 3:
-        raise NotImplementedError(
-            "patch_grpo_trainer does not support DeepSpeed ZeRO-3 yet: the patched trainer's processes can fall out "
-            "of step in ZeRO-3's per-module parameter gathers and hang. Use ZeRO-2 or FSDP2, or leave the trainer "
-            "unpatched."
-        )
-
-
 def check_aux_loss_supported(trainer) -> None:
     """Refuse a trainer that adds the MoE router load-balancing loss (TRL's ``aux_loss_enabled``) where the plug-in
     cannot reproduce it exactly; allow it otherwise (both modes compute it from the shared forward).
@@ -65,16 +44,22 @@ def _fsdp_version(accelerator) -> int | None:
     return getattr(plugin, "fsdp_version", 1) if plugin is not None else None
 
 
+def _fsdp1_orig_params(accelerator) -> bool:
+    return bool(getattr(accelerator.state.fsdp_plugin, "use_orig_params", False))
+
+
 def check_chunked_supported(trainer) -> None:
     """Refuse configurations the chunked step cannot reproduce exactly, with the reason."""
     from accelerate.utils import DistributedType
 
     accelerator = trainer.accelerator
     kind = accelerator.distributed_type
-    if kind == DistributedType.FSDP and _fsdp_version(accelerator) != 2:
+    if kind == DistributedType.FSDP and _fsdp_version(accelerator) == 1 and not _fsdp1_orig_params(accelerator):
+        # chunked_backward under FSDP1 is tested with use_orig_params=True (tests/distributed/test_fsdp.py,
+        # tests/integrations/trl/test_trl_fsdp.py); the flat-parameter variant is not.
         raise NotImplementedError(
-            "mode='chunked' supports accelerate's FSDP2 (fsdp_version=2) only; FSDP1 is untested with several "
-            "backward calls per micro-batch. Use fsdp_version=2, or mode='logps'."
+            "mode='chunked' under accelerate's FSDP1 needs use_orig_params=True (fsdp_config={'use_orig_params': "
+            "True}); without it, it is untested. Set it, use fsdp_version=2, or mode='logps'."
         )
     if kind in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
         raise NotImplementedError(

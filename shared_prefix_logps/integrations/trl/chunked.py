@@ -15,8 +15,9 @@ training step calls in between:
 - ``trainer.accelerator.backward``: skipped for that returned (already back-propagated) loss; any other loss is
   back-propagated as usual. Under DDP the gradients are then averaged at the accumulation boundary (``.distributed``).
 
-Under FSDP2 the chunked calls go through the sharded model and FSDP reduce-scatters as usual; the micro-batch then
-runs as one ``chunked_backward`` call of a shape all processes agree on, so that they stay in step (``.distributed``).
+Under FSDP (FSDP2, or FSDP1 with ``use_orig_params``) the chunked calls go through the sharded model and FSDP
+reduce-scatters as usual; the micro-batch then runs as one ``chunked_backward`` call of a shape all processes agree
+on, so that they stay in step (``.distributed``).
 
 With the MoE router aux loss (``trainer.aux_loss_enabled``) the loss also holds ``router_aux_loss_coef * aux / GA``,
 where ``aux`` is the load-balancing loss of the micro-batch's full rows. It is not a sum over chunks, but given the

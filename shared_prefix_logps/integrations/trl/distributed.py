@@ -1,4 +1,4 @@
-"""TRL's trainer under DDP and FSDP.
+"""TRL's trainer under DDP, FSDP and DeepSpeed ZeRO-3.
 
 DDP. ``mode="logps"`` calls the DDP-wrapped model as TRL does: the phases' results leave through the model's outputs, so
 DDP's reducer sees one ordinary graph per micro-batch and reduces the gradients itself (communication hooks and
@@ -18,6 +18,10 @@ FSDP. Both modes call the sharded model; FSDP gathers and reduce-scatters as usu
 the same model calls whatever their rows (:mod:`..common.lockstep`): fallbacks agreed, no-grad forwards joined, a
 chunked micro-batch run as one ``chunked_backward`` of a shape all processes share
 (:func:`..common.rows.padded_groups`).
+
+DeepSpeed ZeRO-3 (``mode="logps"``). The engine is called as TRL calls it, under the same lockstep: every forward
+gathers each submodule's parameters, so the processes must also call the same submodules in the same order; a join's
+padding forwards are of the kind they pad (:meth:`..common.lockstep.Lockstep.forwards`, ``LogpsPatch.self_check``).
 """
 
 from __future__ import annotations
@@ -28,11 +32,20 @@ from ..common.lockstep import Lockstep
 
 
 def make_lockstep(trainer) -> Lockstep | None:
-    """A :class:`Lockstep` when the trainer's models are sharded by FSDP (accelerate's ``DistributedType.FSDP``), so
-    that every forward is a collective; else None (DDP: forwards are local, only the backward's reduction is
-    collective). DeepSpeed ZeRO-3, where forwards are collectives too, is refused by the plug-in before this runs."""
+    """A :class:`Lockstep` when the trainer's models are sharded so that every forward is a collective: FSDP
+    (accelerate's ``DistributedType.FSDP``) or DeepSpeed ZeRO-3 (each submodule's forward gathers its partitioned
+    parameters); else None (DDP, ZeRO-0/1/2: forwards are local, only the backward's reduction is collective)."""
     from accelerate.utils import DistributedType
 
-    if not dist.is_initialized() or trainer.accelerator.distributed_type != DistributedType.FSDP:
+    if not dist.is_initialized():
         return None
-    return Lockstep(trainer.accelerator.device)
+    kind = trainer.accelerator.distributed_type
+    if kind == DistributedType.FSDP or (kind == DistributedType.DEEPSPEED and zero_stage(trainer) == 3):
+        return Lockstep(trainer.accelerator.device)
+    return None
+
+
+def zero_stage(trainer) -> int | None:
+    """The DeepSpeed ZeRO stage of the trainer's accelerator, or None without DeepSpeed."""
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    return getattr(plugin, "zero_stage", None)

@@ -113,28 +113,23 @@ class LogpsPatch:
         aux_loss = sub_batch_aux_loss(out.router, arguments.get("batch_size")) if compute_aux else None
         result = self.pack(out.logps, out.entropy, aux_loss)
         key = "logps (grad)" if torch.is_grad_enabled() else "logps (no grad)"
-        with self._in_step(model):  # under FSDP every process enters, whether or not it checks now
-            if self.patch.self_check and key not in self.checked:
-                if not bool(out.mask.any()):
-                    # Every completion token masked: the comparison would cover nothing; the next call of this kind
-                    # does it.
-                    stats.count_trivial_check(f"{key} (no valid token)")
-                else:
-                    self.checked.add(key)
-                    self.self_check(
-                        key,
-                        model,
-                        (input_ids, attention_mask, logits_to_keep, args, kwargs),
-                        out,
-                        compute_entropy,
-                        aux_loss,
-                    )
+        checking = self.patch.self_check and key not in self.checked
+        if checking and not bool(out.mask.any()):
+            # Every completion token masked: the comparison would cover nothing; the next call of this kind does it.
+            stats.count_trivial_check(f"{key} (no valid token)")
+            checking = False
+        if checking:
+            self.checked.add(key)
+        if checking or self.patch.lockstep is not None:  # under a lockstep every process joins, checking or not
+            call = (input_ids, attention_mask, logits_to_keep, args, kwargs)
+            self.self_check(key, model, call, out, compute_entropy, aux_loss, checking)
         return result
 
-    def _in_step(self, model):
-        """Under FSDP, join the block's no-grad forwards of ``model`` with the other processes' (``.distributed``)."""
+    def _in_step(self, model, pad=None):
+        """Under FSDP or ZeRO-3, join the block's no-grad forwards of ``model`` with the other processes'
+        (``.distributed``); ``pad`` as for :meth:`Lockstep.forwards`."""
         lockstep = self.patch.lockstep
-        return contextlib.nullcontext() if lockstep is None else lockstep.forwards(model)
+        return contextlib.nullcontext() if lockstep is None else lockstep.forwards(model, pad)
 
     def _agreed_reason(self, reason, attention_mask, logits_to_keep):
         """FSDP: the processes fall back together, if any of them has a reason to (``.distributed``)."""
@@ -187,30 +182,39 @@ class LogpsPatch:
             return arguments, f"inputs the shared path does not handle ({', '.join(extra)})"
         return arguments, None
 
-    def self_check(self, key, model, call, out, compute_entropy, aux_loss=None):
+    def self_check(self, key, model, call, out, compute_entropy, aux_loss=None, checking=True):
         """Compare with the original method on this batch (``call``: the arguments it was given); raise
         :class:`SelfCheckError` on mismatch.
 
         Both run without gradient. With dropout active the two forwards would draw different masks, so both are
         then recomputed in eval mode.
+
+        Under a lockstep every process calls this at the same point, ``checking`` False where it does not check now.
+        Our forwards and the original method's run in two joins, each padded with a forward of its own kind: TRL's
+        method reads the lm_head's weight in its fused head without calling the lm_head, so its padding is that
+        method on one row (under ZeRO-3 the two kinds gather different submodules' parameters).
         """
         input_ids, attention_mask, logits_to_keep, args, kwargs = call
         compute_aux = aux_loss is not None
-        batch_size = self._bound_batch_size(model, call)
-        with torch.no_grad():
-            if dropout_active(model):
-                with eval_mode(model):
-                    ours = self.compute(model, input_ids, attention_mask, logits_to_keep, compute_entropy, compute_aux)
+        dropout = dropout_active(model)
+        ours, reference = out, None
+        with torch.no_grad(), eval_mode(model) if dropout else contextlib.nullcontext():
+            if dropout:
+                with self._in_step(model):
+                    if checking:
+                        ours = self.compute(
+                            model, input_ids, attention_mask, logits_to_keep, compute_entropy, compute_aux
+                        )
+                        if compute_aux:
+                            aux_loss = sub_batch_aux_loss(ours.router, self._bound_batch_size(model, call))
+            row = (input_ids[:1], attention_mask[:1], logits_to_keep)
+            with self._in_step(model, pad=lambda: self.original(model, *row, *args, **kwargs)):
+                if checking:
                     reference = self.original(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-                if compute_aux:
-                    aux_loss = sub_batch_aux_loss(ours.router, batch_size)
-                detail = "(dropout active: compared in eval mode)"
-            else:
-                ours = out
-                reference = self.original(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-                detail = ""
-        valid = attention_mask[:, -logits_to_keep:] != 0
-        self.check_result(key, ours.logps, ours.entropy, reference, valid, detail, aux_loss=aux_loss)
+        if checking:
+            detail = "(dropout active: compared in eval mode)" if dropout else ""
+            valid = attention_mask[:, -logits_to_keep:] != 0
+            self.check_result(key, ours.logps, ours.entropy, reference, valid, detail, aux_loss=aux_loss)
 
     def _bound_batch_size(self, model, call):
         input_ids, attention_mask, logits_to_keep, args, kwargs = call

@@ -10,7 +10,7 @@ from ..common.lockstep import Lockstep
 from ..common.patching import Unpatched, replace_attribute, restore_attributes
 from ..common.self_check import default_tolerance
 from ..common.stats import PatchStats, WarnOnce
-from .checks import check_aux_loss_supported, check_chunked_supported, check_not_zero3
+from .checks import check_aux_loss_supported, check_chunked_supported
 from .chunked import ChunkedStep
 from .distributed import make_lockstep
 from .fp32_head import install_fp32_head, remove_fp32_head
@@ -86,8 +86,9 @@ def patch_grpo_trainer(
     Raises:
         UnsupportedModelError: the policy or reference model cannot take the shared path.
         NotImplementedError: the trainer adds the MoE router aux loss (``aux_loss_enabled``) for a model type that
-            computes none, or under FSDP/DeepSpeed (either mode); or ``mode="chunked"`` under DeepSpeed, FSDP1 or
-            Megatron, with a LOMO optimizer, or a trainer subclass that overrides ``_compute_loss``.
+            computes none, or under FSDP/DeepSpeed (either mode); or ``mode="chunked"`` under DeepSpeed, FSDP1
+            without ``use_orig_params`` or Megatron, with a LOMO optimizer, or a trainer subclass that overrides
+            ``_compute_loss``.
         ValueError / TypeError: bad options, or not a GRPOTrainer, or already patched.
     """
     if mode not in MODES:
@@ -104,7 +105,6 @@ def patch_grpo_trainer(
     if getattr(trainer, _PATCH_ATTRIBUTE, None) is not None:
         raise ValueError("this trainer is patched already; call unpatch_grpo_trainer(trainer) first")
     check_aux_loss_supported(trainer)
-    check_not_zero3(trainer)
     if mode == "chunked":
         check_chunked_supported(trainer)
 

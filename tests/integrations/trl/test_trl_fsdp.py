@@ -16,7 +16,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 from torch.distributed.tensor import DTensor
 
 pytest.importorskip("trl")
@@ -27,18 +27,29 @@ from support.trl_tiny import make_trainer, record_training, scripted_generate  #
 from shared_prefix_logps.integrations.trl import patch_grpo_trainer  # noqa: E402
 
 TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
-FSDP_CONFIG = {
-    "fsdp_version": 2,
-    "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-    "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
-    "reshard_after_forward": True,
+FSDP_CONFIGS = {
+    2: {
+        "fsdp_version": 2,
+        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
+        "reshard_after_forward": True,
+    },
+    # FSDP1 (FullyShardedDataParallel): each decoder layer a unit, the rest in the root; FULL_SHARD
+    1: {
+        "fsdp_version": 1,
+        "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"],
+        "reshard_after_forward": "FULL_SHARD",
+        "use_orig_params": True,
+        "sync_module_states": False,  # True needs an accelerator device; both processes load the same weights
+    },
 }
 
 
 def _let_accelerate_shard_on_cpu():
     """Make ``AcceleratorState`` treat the CPU/gloo process group like an accelerator group when an FSDP plugin is
-    given (the only CPU-specific gate on accelerate's FSDP path). accelerate then records ``DistributedType.FSDP``
-    itself, in ``AcceleratorState`` and ``PartialState``."""
+    given (the only CPU-specific gate on accelerate's FSDP path; for FSDP1 also the device name). accelerate then
+    records ``DistributedType.FSDP`` itself, in ``AcceleratorState`` and ``PartialState``."""
     from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
@@ -48,13 +59,17 @@ def _let_accelerate_shard_on_cpu():
         shared = PartialState._shared_state
         if fsdp_plugin is not None and shared.get("distributed_type") == DistributedType.MULTI_CPU:
             shared["distributed_type"] = DistributedType.MULTI_GPU
+            if fsdp_plugin.fsdp_version == 1:
+                # accelerate passes its device as FSDP1's device_id, and FSDP1 requires it to equal the compute
+                # device of CPU parameters, "cpu" (accelerate's CPU processes name "cpu:0")
+                shared["device"] = torch.device("cpu")
         original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
 
     AcceleratorState.__init__ = init
 
 
-def _worker(rank, port, path, results):
-    """One of two gloo processes: unpatched, logps and chunked runs of the same FSDP2 trainer, one after the other."""
+def _worker(rank, port, path, results, fsdp_version):
+    """One of two gloo processes: unpatched, logps and chunked runs of the same FSDP trainer, one after the other."""
     set_rank_environment(rank, port)
     # A process left waiting for a collective dies with its stack instead of hanging the test (a run takes seconds)
     faulthandler.dump_traceback_later(300, exit=True)
@@ -73,7 +88,7 @@ def _worker(rank, port, path, results):
         ddp_backend="gloo",
         ddp_timeout=120,  # processes out of step fail in minutes instead of hanging for half an hour
         fsdp=True,
-        fsdp_config=FSDP_CONFIG,
+        fsdp_config=FSDP_CONFIGS[fsdp_version],
     )
     for mode in (None, "logps", "chunked"):
         with pytest.MonkeyPatch.context() as monkeypatch:
@@ -84,8 +99,7 @@ def _worker(rank, port, path, results):
             assert str(trainer.accelerator.distributed_type) == "DistributedType.FSDP"
             patch = patch_grpo_trainer(trainer, mode=mode) if mode else None
             run = record_training(trainer)
-        assert isinstance(trainer.model, FSDPModule) and isinstance(trainer.ref_model, FSDPModule)
-        assert all(isinstance(p, DTensor) for p in trainer.model.parameters())
+        _assert_sharded(trainer, fsdp_version)
         stats = None if patch is None else patch.stats
         results[f"{mode}{rank}"] = dict(
             calls=run.logps_calls,
@@ -103,20 +117,35 @@ def _worker(rank, port, path, results):
     torch.distributed.destroy_process_group()
 
 
+def _assert_sharded(trainer, fsdp_version):
+    """The policy and reference models are the FSDP version's wrappers (with sharded parameters)."""
+    if fsdp_version == 2:
+        assert isinstance(trainer.model, FSDPModule) and isinstance(trainer.ref_model, FSDPModule)
+        assert all(isinstance(p, DTensor) for p in trainer.model.parameters())
+    else:
+        assert isinstance(trainer.model, FullyShardedDataParallel)
+        assert isinstance(trainer.ref_model, FullyShardedDataParallel)
+        assert trainer.accelerator.state.fsdp_plugin.use_orig_params
+        units = [m for m in trainer.model.modules() if isinstance(m, FullyShardedDataParallel)]
+        assert len(units) == 1 + trainer.model.config.num_hidden_layers
+
+
 def _relative(a, b):
     return float((a - b).norm() / b.norm().clamp(min=1e-30))
 
 
-def test_two_process_fsdp2_matches_unpatched(tmp_path):
-    """accelerate FSDP2 (gloo, CPU), gradient accumulation 2, a sharded reference model, one process's first
-    generation batch all masked: both modes train as the unpatched trainer does (log-probs, losses, gradients,
-    parameters, steps, logged metrics), with every self-check passed and no fallback."""
+@pytest.mark.parametrize("fsdp_version", [2, 1], ids=["fsdp2", "fsdp1"])
+def test_two_process_fsdp_matches_unpatched(tmp_path, fsdp_version):
+    """accelerate FSDP2 or FSDP1 (gloo, CPU), gradient accumulation 2, a sharded reference model, one process's
+    first generation batch all masked: both modes train as the unpatched trainer does (log-probs, losses, gradients,
+    parameters, steps, logged metrics), with every self-check passed and no fallback. Under FSDP1 the gradients and
+    parameters compared are each process's shards (the same layout in every run)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_worker, args=(port, tmp_path, results), nprocs=2, join=True)
+        mp.spawn(_worker, args=(port, tmp_path, results, fsdp_version), nprocs=2, join=True)
         results = dict(results)
     for rank in range(2):
         base = results[f"None{rank}"]
@@ -186,45 +215,26 @@ def test_padded_groups_share_one_shape_and_keep_every_row(others):
     assert completions_mask[3 * generations :].tolist() == [[1, 0, 0]] * generations
 
 
-def test_chunked_mode_refuses_fsdp1_deepspeed_and_megatron():
+def test_chunked_mode_refuses_flat_fsdp1_deepspeed_and_megatron():
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
 
     from shared_prefix_logps.integrations.trl.checks import check_chunked_supported
 
-    def trainer(kind, fsdp_version=None):
-        plugin = None if fsdp_version is None else SimpleNamespace(fsdp_version=fsdp_version)
+    def trainer(kind, fsdp_version=None, use_orig_params=None):
+        plugin = None
+        if fsdp_version is not None:
+            plugin = SimpleNamespace(fsdp_version=fsdp_version, use_orig_params=use_orig_params)
         accelerator = SimpleNamespace(distributed_type=kind, state=SimpleNamespace(fsdp_plugin=plugin))
         return SimpleNamespace(accelerator=accelerator, args=SimpleNamespace())
 
-    with pytest.raises(NotImplementedError, match="FSDP2"):
-        check_chunked_supported(trainer(DistributedType.FSDP, fsdp_version=1))
+    with pytest.raises(NotImplementedError, match="use_orig_params"):
+        check_chunked_supported(trainer(DistributedType.FSDP, fsdp_version=1, use_orig_params=False))
     for kind in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
         with pytest.raises(NotImplementedError, match="does not support"):
             check_chunked_supported(trainer(kind))
-    with pytest.raises(NotImplementedError, match="lacks"):  # FSDP2 passes the engine check
-        check_chunked_supported(trainer(DistributedType.FSDP, fsdp_version=2))
-
-
-def test_both_modes_refuse_deepspeed_zero3():
-    """Under ZeRO-3 two patched CPU processes hung in the first backward (per-module gathers out of step): the patch
-    refuses it by name instead; other ZeRO stages and other engines pass this check."""
-    from types import SimpleNamespace
-
-    from accelerate.utils import DistributedType
-
-    from shared_prefix_logps.integrations.trl.checks import check_not_zero3
-
-    def trainer(kind, stage=None):
-        plugin = None if stage is None else SimpleNamespace(zero_stage=stage)
-        return SimpleNamespace(
-            accelerator=SimpleNamespace(distributed_type=kind, state=SimpleNamespace(deepspeed_plugin=plugin))
-        )
-
-    with pytest.raises(NotImplementedError, match="ZeRO-3"):
-        check_not_zero3(trainer(DistributedType.DEEPSPEED, stage=3))
-    for stage in (0, 1, 2):
-        check_not_zero3(trainer(DistributedType.DEEPSPEED, stage=stage))
-    check_not_zero3(trainer(DistributedType.FSDP))
-    check_not_zero3(trainer(DistributedType.NO))
+    # FSDP2, and FSDP1 with the original parameters, pass the engine check (and fail on the missing attributes)
+    for version, orig in ((2, None), (1, True)):
+        with pytest.raises(NotImplementedError, match="lacks"):
+            check_chunked_supported(trainer(DistributedType.FSDP, fsdp_version=version, use_orig_params=orig))

@@ -11,15 +11,8 @@ pytest.importorskip("verl")
 
 import torch  # noqa: E402
 from support import verl_setup as vs  # noqa: E402
-from support.distributed import free_port  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def process_group():
-    vs.use_cpu_platform()
-    vs.init_single_process(free_port())
 
 
 @pytest.fixture(scope="module")

@@ -46,8 +46,11 @@ class PatchStats:
     trivial_self_checks: dict[str, int] = field(default_factory=dict)
     max_loss_discrepancy: float = 0.0
 
-    def count_fallback(self, reason: str) -> None:
-        """One more call or micro-batch that went to the trainer's own path for ``reason``."""
+    def count_fallback(self, reason: str, *, log_prob_call: bool = True) -> None:
+        """One more log-prob call (or, with ``log_prob_call=False``, a chunked micro-batch) that went to the trainer's
+        own path for ``reason``."""
+        if log_prob_call:
+            self.fallback_calls += 1
         self.fallback_reasons[reason] = self.fallback_reasons.get(reason, 0) + 1
 
     def count_trivial_check(self, what: str) -> None:

@@ -136,7 +136,7 @@ class ChunkedStep:
         if lockstep is not None and lockstep.any(reason is not None) and reason is None:
             reason = "another process cannot take the chunked path (FSDP: all processes fall back together)"
         if reason is not None:
-            self.patch.stats.count_fallback(f"chunked: {reason}")
+            self.patch.stats.count_fallback(f"chunked: {reason}", log_prob_call=False)
             self.patch.warn(f"shared_prefix_logps: chunked backward not used for this micro-batch: {reason}")
             return self.previous_compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch

@@ -163,7 +163,6 @@ class LogpsPatch:
 
     def fallback(self, reason, *args, **kwargs):
         stats = self.patch.stats
-        stats.fallback_calls += 1
         stats.count_fallback(reason)
         self.patch.warn(f"shared_prefix_logps: falling back to TRL's own log-prob computation: {reason}")
         return self.original(*args, **kwargs)

@@ -170,7 +170,6 @@ class VerlPatch:
 
     def fallback(self, reason, micro_batch, loss_function, forward_only):
         """verl's own step, with one warning per reason and a count."""
-        self.stats.fallback_calls += 1
         self.stats.count_fallback(reason)
         self.warn(f"shared_prefix_logps: falling back to verl's own forward_step: {reason}")
         self.log_periodically()

@@ -17,18 +17,22 @@ from .head_weights import UnsupportedHeadError, head_state
 def head_signature(prepared) -> tuple:
     """What the head check's verdict depends on: the head module and its PEFT state, the hooks that could change
     logits on their way out (on the head, the causal LM and the outer module, and global ones), and the logit
-    settings read from the config. A model deep-copied after use has new modules, hence a new signature."""
+    settings read from the config. A model deep-copied after use has new modules, hence a new signature.
+
+    The outer module counts by its class and its hooks (handle ids, unique within the process), not by its identity: a
+    caller may wrap the model anew for each call (the trainer plug-ins' autocast wrapper), and the ``id()`` of such a
+    wrapper is whatever address it was allocated at, reused from a dead wrapper or not. Keyed on it, the check ran
+    again on some calls and not on others, differently on each process; under FSDP the check's forward is a
+    collective, and one process's extra forward put the processes' model calls out of step."""
     from torch.nn.modules import module as module_globals
 
     spec = prepared.head
     lm_head = spec.lm_head
-    hooks = []
-    for module in {id(m): m for m in (lm_head, prepared.causal_lm, prepared.outer)}.values():
-        hooks.append((id(module), tuple(module._forward_hooks)))
+    hooks = tuple(tuple(module._forward_hooks) for module in (lm_head, prepared.causal_lm, prepared.outer))
     # Only forward (post) hooks can change logits behind the fused head's back: a pre-hook changes inputs, which the
     # fused head then receives as the module would.
     global_hooks = tuple(module_globals._global_forward_hooks)
-    return (id(lm_head), head_state(lm_head), tuple(hooks), global_hooks, spec.scale, spec.softcap)
+    return (id(lm_head), head_state(lm_head), type(prepared.outer), hooks, global_hooks, spec.scale, spec.softcap)
 
 
 def _gathered_outside_engine(module: nn.Module):

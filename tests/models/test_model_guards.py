@@ -2,9 +2,9 @@
 
 Covered: RoPE whose frequencies depend on the forward's length (``dynamic``, ``longrope``), PEFT on the lm_head
 (LoRA, trainable tokens, LoRA on a tied embedding), the head check per model instance (config logit settings the
-class ignores, hooks added after first use), deep copies of a prepared model, a decoder layer repeated in the
-layer list, and what DeepSpeed's engine looks like from outside (a wrapper with a ``config`` of its own that
-forwards unknown attributes to the model; ZeRO-3's empty parameter placeholders).
+class ignores, hooks added after first use, not again for each wrapper of the model), deep copies of a prepared
+model, a decoder layer repeated in the layer list, and what DeepSpeed's engine looks like from outside (a wrapper
+with a ``config`` of its own that forwards unknown attributes to the model; ZeRO-3's empty parameter placeholders).
 """
 
 from __future__ import annotations
@@ -158,6 +158,42 @@ def test_hook_added_after_first_use_is_checked():
     # A hook that leaves the logits alone passes the check.
     model.lm_head.register_forward_hook(lambda module, inputs, output: None)
     _assert_exact(compare_with_dense(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask))
+
+
+class _CallWrapper(torch.nn.Module):
+    """A wrapper made for one call (as the trainer plug-ins wrap the model for autocast): a ``module`` child."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def test_head_check_runs_once_per_model_whatever_wrapper_calls_it(monkeypatch):
+    """The verdict belongs to the model, not to the wrapper a call came through. Keyed on the wrapper's address, the
+    check ran again whenever a new wrapper did not reuse a dead one's address: under FSDP that is an extra forward
+    (collectives) on one process only. A hook on the wrapper that changes the logits is still caught."""
+    from shared_prefix_logps.model import preparation
+
+    checks = []
+    verify = preparation.verify_head
+    monkeypatch.setattr(preparation, "verify_head", lambda prepared: (checks.append(prepared.outer), verify(prepared)))
+    model = build_model("llama")
+    prompts, pmask, comps, cmask = make_batch(2, 2, prompt_len=6, completion_len=4)
+    wrappers = [_CallWrapper(model) for _ in range(3)]  # alive together: three addresses
+    for wrapper in wrappers:
+        compute_logps(wrapper, prompts, comps, prompt_mask=pmask, completion_mask=cmask)
+    assert checks == [wrappers[0]]
+
+    def halve_logits(module, inputs, output):
+        output.logits = output.logits * 0.5
+        return output
+
+    wrappers[1].register_forward_hook(halve_logits)
+    with pytest.raises(UnsupportedModelError, match="post-processes its logits"):
+        compute_logps(wrappers[1], prompts, comps, prompt_mask=pmask, completion_mask=cmask)
 
 
 def test_deep_copy_after_use_keeps_original_attention():

@@ -68,13 +68,8 @@ def capture_prefix(
         input_ids = prefix_ids
     output, router_logits = _forward(prepared, input_ids, context.positions, context, router=router_top_k is not None)
     if router_top_k is not None:
-        if packed:
-            token_index = torch.arange(input_ids.shape[1], device=input_ids.device)
-            owner = context.segments
-        else:
-            token_index = prefix_mask.reshape(-1).nonzero().squeeze(1)
-            owner = torch.div(token_index, prefix_mask.shape[1], rounding_mode="floor")
-        context.router = token_sums(router_logits, token_index, owner, prefix_ids.shape[0], router_top_k)
+        owners = context.segments if packed else None
+        context.router = _router_sums(router_logits, prefix_mask, owners, prefix_ids.shape[0], router_top_k)
     if not context.routes:
         raise ValueError(f"{type(prepared.causal_lm).__name__} ran no attention layer through the shared-prefix path")
     modules = list(context.routes)
@@ -145,14 +140,30 @@ def score_completions(
     context.logps = released[0]
     context.entropy = released[1] if return_entropy else None
     if routed is not None:
-        if packed:
-            token_index = torch.arange(input_ids.shape[1], device=input_ids.device)
-            owner = context.query_rows
-        else:
-            token_index = routed.reshape(-1).nonzero().squeeze(1)
-            owner = torch.div(token_index, length, rounding_mode="floor")
-        context.router = token_sums(router_logits, token_index, owner, rows, router_top_k)
+        owners = context.query_rows if packed else None
+        context.router = _router_sums(router_logits, routed, owners, rows, router_top_k)
     return context
+
+
+def _router_sums(router_logits, forwarded: torch.Tensor, packed_owners, num_owners: int, top_k: int):
+    """Router statistics per owner (prompt in Phase 1, row in Phase 2) of the tokens a phase forwarded.
+
+    Args:
+        router_logits: the forward's router logits, one row per token of its (flattened) input.
+        forwarded: (owners, L) bool, the tokens forwarded in the unpacked layout, in row-major order.
+        packed_owners: in the packed layout, (tokens,) int64 the owner of each input token; None when unpacked.
+    """
+    if packed_owners is not None:
+        return token_sums(
+            router_logits,
+            torch.arange(packed_owners.numel(), device=packed_owners.device),
+            packed_owners,
+            num_owners,
+            top_k,
+        )
+    token_index = forwarded.reshape(-1).nonzero().squeeze(1)
+    owner = torch.div(token_index, forwarded.shape[1], rounding_mode="floor")
+    return token_sums(router_logits, token_index, owner, num_owners, top_k)
 
 
 def score_rows(

@@ -8,11 +8,10 @@ backward runs there), so the compiled path of the CUDA default is traced here wi
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
 from support.exactness import max_relative_grad_error, parameter_grads, weighted_loss
+from support.graph_counter import GraphCounter
 from support.tiny_models import build_model, make_batch
 
 from shared_prefix_logps import LogpsOutput, chunked_backward, compute_logps
@@ -40,21 +39,6 @@ SHAPES = [
 FLEX_GRAPHS_PER_FAMILY = 2
 #: Compilations of the block-mask builder in the whole test: it runs without grad and is shared by every model.
 MASK_GRAPHS = 1
-
-
-class GraphCounter:
-    """A torch.compile backend that counts the graphs it compiles (flex_attention graphs and block-mask graphs
-    apart) and hands them to ``aot_eager``."""
-
-    def __init__(self):
-        self.counts = collections.Counter()
-
-    def __call__(self, gm, example_inputs):
-        from torch._dynamo.backends.debugging import aot_eager
-
-        is_flex = any("flex_attention" in str(node.target) for node in gm.graph.nodes)
-        self.counts["flex" if is_flex else "mask"] += 1
-        return aot_eager(gm, example_inputs)
 
 
 @pytest.fixture

@@ -8,11 +8,10 @@ error as the yardstick (bf16 results depend on batching, so no path is bitwise a
 
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
 from support.exactness import max_relative_grad_error, parameter_grads, weighted_loss
+from support.graph_counter import GraphCounter
 from support.tiny_models import build_model, make_batch
 
 from shared_prefix_logps import LogpsOutput, chunked_backward, compute_logps
@@ -174,21 +173,6 @@ def test_expand_runs_without_the_math_kernel(dtype, monkeypatch):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
-class InductorGraphCounter:
-    """A torch.compile backend that counts its graphs (flex_attention and block-mask graphs apart) and compiles them
-    with inductor."""
-
-    def __init__(self):
-        self.counts = collections.Counter()
-
-    def __call__(self, gm, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
-
-        is_flex = any("flex_attention" in str(node.target) for node in gm.graph.nodes)
-        self.counts["flex" if is_flex else "mask"] += 1
-        return compile_fx(gm, example_inputs)
-
-
 #: (prompts, generations, prompt length, completion length): one to several blocks of 128 in both phases.
 COMPILE_SHAPES = [
     (2, 2, 9, 5),
@@ -205,7 +189,7 @@ COMPILE_SHAPES = [
 def test_flex_compilations_are_bounded_on_cuda(monkeypatch):
     """8 shapes x score/train/chunked x Qwen2 and Gemma2 (windows None and int): one flex graph per grad mode and
     family, one block-mask graph in all, results exact against dense."""
-    counter = InductorGraphCounter()
+    counter = GraphCounter("inductor")
     monkeypatch.setitem(flex._COMPILE_BACKENDS, "cuda", counter)
     per_family = {}
     for family in ("qwen2", "gemma2"):

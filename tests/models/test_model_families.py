@@ -183,42 +183,16 @@ def test_chunked_backward_matches_dense(family):
         assert max_relative_grad_error(grads, expected) <= 1e-4, chunk
 
 
-def _tiny_moe_for_trl():
-    from support.trl_tiny import SPECIALS, WORDS
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(
-        vocab_size=len(SPECIALS) + len(WORDS),
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-        initializer_range=0.2,
-        pad_token_id=0,
-        eos_token_id=1,
-    )  # router_aux_loss_coef keeps its default, 0.001, as in the released configs
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(config)
-    model.generation_config.eos_token_id = 1
-    model.generation_config.pad_token_id = 0
-    return model
-
-
 def test_trl_trains_with_the_aux_loss_coefficient_of_the_model_config(tmp_path):
     pytest.importorskip("trl")
-    from support.trl_tiny import make_trainer
+    from support.trl_tiny import make_trainer, moe_model
 
     from shared_prefix_logps.integrations.trl import patch_grpo_trainer
 
     # TRL takes the coefficient from the model config and adds the router aux loss; the plug-in reproduces it
     # (tests/integrations/trl/test_trl_aux_loss.py compares whole training runs).
-    trainer = make_trainer(tmp_path, model=_tiny_moe_for_trl(), max_steps=1)
+    # router_aux_loss_coef keeps the config's default, 0.001, as in the released configs
+    trainer = make_trainer(tmp_path, model=moe_model("qwen3_moe"), max_steps=1)
     assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.001
     patch = patch_grpo_trainer(trainer)  # self-check on: the first calls are compared with TRL's own forward
     trainer.train()

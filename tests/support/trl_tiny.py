@@ -211,3 +211,42 @@ def record_training(trainer) -> Record:
     record.global_step = trainer.state.global_step
     record.log_history = list(trainer.state.log_history)
     return record
+
+
+def moe_model(family: str, seed: int = 0):
+    """A 2-layer MoE (4 experts, 2 per token) over the tiny tokenizer's vocabulary.
+
+    TRL enables the aux loss whenever the config has an ``output_router_logits`` attribute (every MoE config has it)
+    and asks each policy forward for router logits itself. The config's flag stays False: set to True, transformers
+    5.23's ``generate`` fails in the unpatched trainer already (each decoding step's aux loss pairs one step's router
+    logits with the whole attention mask)."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=len(SPECIALS) + len(WORDS),
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+        pad_token_id=0,
+        eos_token_id=1,
+        num_experts_per_tok=2,
+    )
+    if family == "qwen3_moe":
+        config, cls = tf.Qwen3MoeConfig(**common, num_experts=4, moe_intermediate_size=16), tf.Qwen3MoeForCausalLM
+    elif family == "mixtral":
+        config, cls = tf.MixtralConfig(**common, num_local_experts=4, sliding_window=6), tf.MixtralForCausalLM
+    elif family == "glm4_moe":
+        config = tf.Glm4MoeConfig(**common, n_routed_experts=4, moe_intermediate_size=16, first_k_dense_replace=1)
+        cls = tf.Glm4MoeForCausalLM
+    else:
+        raise ValueError(family)
+    torch.manual_seed(seed)
+    model = cls(config)
+    model.generation_config.eos_token_id = 1
+    model.generation_config.pad_token_id = 0
+    return model

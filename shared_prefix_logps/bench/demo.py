@@ -15,23 +15,15 @@ import time
 
 import torch
 
-from .. import compute_logps
 from .memory import peak_memory
+from .methods import compute_logps_step
 from .presets import PRESETS, build_preset
 from .runner import Shape, make_batch
 
 
 def _step(model, batch, backend):
-    out = compute_logps(
-        model,
-        batch.prompts,
-        batch.completions,
-        prompt_mask=batch.prompt_mask,
-        completion_mask=batch.completion_mask,
-        backend=backend,
-    )
-    out.logps.sum().backward()
-    return out.logps.detach()
+    """One training-shaped step (forward, then backward of the summed log-probs); the detached log-probs."""
+    return compute_logps_step(backend)(model, batch, True)
 
 
 def _timed(model, batch, repeats, device) -> tuple[float, float]:

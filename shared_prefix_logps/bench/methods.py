@@ -40,7 +40,10 @@ class Batch:
 Step = Callable[[torch.nn.Module, Batch, bool], torch.Tensor]
 
 
-def _ours(backend: str) -> Step:
+def compute_logps_step(backend: str) -> Step:
+    """The library's own step with attention ``backend``: ``compute_logps``, and with ``train`` the backward of the
+    summed log-probs; returns the detached (rows, C) float32 log-probs."""
+
     def step(model, batch, train):
         with torch.set_grad_enabled(train):
             out = compute_logps(
@@ -60,7 +63,7 @@ def _ours(backend: str) -> Step:
 
 def _chunked(model, batch, train):
     if not train:
-        return _ours("auto")(model, batch, train)
+        return compute_logps_step("auto")(model, batch, train)
     out = chunked_backward(
         model,
         batch.prompts,
@@ -138,11 +141,11 @@ def _trl_available() -> bool:
 #: The competitors of :mod:`.competitors` ("prefix_grouper", "liger") are always listed; they are skipped with
 #: "not installed" where their package does not import.
 METHODS: dict[str, tuple[Step, bool, Callable[[], bool]]] = {
-    "dense": (_ours("dense"), False, lambda: True),
+    "dense": (compute_logps_step("dense"), False, lambda: True),
     "trl": (_trl_rows, False, _trl_available),
     "kv_expand": (_kv_expand, False, lambda: True),
-    "expand": (_ours("expand"), False, lambda: True),
-    "flex": (_ours("flex"), True, lambda: True),
+    "expand": (compute_logps_step("expand"), False, lambda: True),
+    "flex": (compute_logps_step("flex"), True, lambda: True),
     "chunked": (_chunked, False, lambda: True),
     **{name: (step, False, available) for name, (step, available, _) in competitors.COMPETITORS.items()},
 }

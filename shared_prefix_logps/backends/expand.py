@@ -1,24 +1,37 @@
 """The ``expand`` backend: each completion row attends over [its prompt's keys/values ; its own keys] with SDPA.
 
-Phase 1 runs causal attention over the left-padded prompts; Phase 2 gathers each row's prompt keys/values (a copy
-per row) and attends with one additive mask per phase, shared by every layer. On CUDA the fused kernels are put
-first (memory-efficient, flash, cuDNN before math), GQA heads are repeated when a mask is given (no fused kernel
-takes both), and with gradients the per-row gather is recomputed in backward instead of saved.
+Phase 1 runs causal attention over the left-padded prompts: an unpadded batch of prompts without a window shorter
+than the prompt runs SDPA with ``is_causal=True`` and no mask (kernels skip the key tiles above the diagonal), others
+with one additive mask shared by every layer. Phase 2 gathers each row's prompt keys/values (a copy per row) and
+attends with one additive mask per phase, shared by every layer: (1, 1, C, L + C) for all rows when no prompt is
+padded and there is no window, (rows, 1, C, L + C) otherwise. Every mask is allocated with its last dim rounded up
+to a multiple of 16 and passed as a slice, so its row stride is aligned and SDPA's memory-efficient kernel does not
+copy it in every layer (and save the copy for backward).
+
+On CUDA (the fused-kernel path) the SDPA kernel is chosen per call signature by asking torch which kernels accept
+the call, in torch's own priority order, cuDNN included (``sdpa_kernels``); KV heads are repeated only when the
+chosen kernel rejects grouped heads; with gradients the per-row gather is recomputed in backward instead of saved;
+softcap/sinks models, whose scores are computed explicitly, are refused above a memory budget. The memory terms
+(mask, gathered and repeated K/V, explicit scores) are listed in ``expand_memory``; no-grad scoring batches are sized
+by them (``token_budget``).
 """
 
 from __future__ import annotations
-
-import functools
-import inspect
 
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from ..forward.context import CaptureContext, SharedContext, cached
+from . import sdpa_kernels
+from .expand_memory import check_explicit_scores, padded_width
 
 
 def capture_attention(query, key, value, context: CaptureContext, window, options):
+    """Phase 1: (prompts, heads, L, head_dim) queries over their own prompt's keys, causally; (prompts, L, heads, d)."""
+    length = key.shape[2]
+    if window_is_moot(window, length) and cached(context, ("unpadded",), lambda: bool(context.key_valid.all())):
+        return masked_attention(query, key, value, None, is_causal=True, **options)
     mask = cached(
         context,
         ("prefix", window, query.dtype),
@@ -28,20 +41,27 @@ def capture_attention(query, key, value, context: CaptureContext, window, option
 
 
 def shared_attention(module, query, key, value, context: SharedContext, window, options):
-    own_mask = cached(context, ("own", window), lambda: own_causal_mask(context, window))
+    """Phase 2: (rows, heads, C, head_dim) completion queries over [their prompt's keys ; their own, causally]."""
     capture = context.capture
     if capture is None:
-        own = cached(context, ("own-additive", window, query.dtype), lambda: additive_mask(own_mask, query.dtype))
+        if window_is_moot(window, key.shape[2]):
+            return masked_attention(query, key, value, None, is_causal=True, **options)
+        own = cached(
+            context,
+            ("own-additive", window, query.dtype),
+            lambda: additive_mask(own_causal_mask(context, window), query.dtype),
+        )
         return masked_attention(query, key, value, own, **options)
     prefix_key, prefix_value = capture.kv_of(module)
     rows = context.group_index
-
-    def build():
-        own_rows = own_mask.expand(rows.numel(), -1, -1, -1)
-        return additive_mask(torch.cat([completion_prefix_mask(context, window), own_rows], dim=-1), query.dtype)
-
-    mask = cached(context, ("shared", window, query.dtype), build)
+    mask = cached(context, ("shared", window, query.dtype), lambda: shared_mask(context, window, query.dtype))
     return gathered_attention(query, prefix_key, prefix_value, key, value, rows, mask, options)
+
+
+def window_is_moot(window, length: int) -> bool:
+    """Whether a sliding ``window`` hides nothing from a causal query over ``length`` keys (the farthest key of the
+    last query is ``length - 1`` positions back)."""
+    return window is None or window >= length
 
 
 def gathered_attention(query, prefix_key, prefix_value, key, value, rows, mask, options) -> torch.Tensor:
@@ -51,7 +71,8 @@ def gathered_attention(query, prefix_key, prefix_value, key, value, rows, mask, 
         query: (rows, heads, C, head_dim); key/value: (rows, kv_heads, C, head_dim) of the rows' own tokens.
         prefix_key/prefix_value: (prompts, kv_heads, P, head_dim), one per prompt; ``rows`` (rows,) int64 gives
             each row's prompt.
-        mask: (rows, 1, C, P + C) additive mask in ``query``'s dtype; options: as for :func:`masked_attention`.
+        mask: (rows, 1, C, P + C) additive mask in ``query``'s dtype (one row expanded when every row's is the
+            same); options: as for :func:`masked_attention`.
 
     Returns (rows, C, heads, v_head_dim). Each row needs its prompt's keys/values in one tensor, a copy per row
     (G per prompt) in every layer. On the fused-kernel path with gradients those (rows, kv_heads, P + C, head_dim)
@@ -70,13 +91,44 @@ def gathered_attention(query, prefix_key, prefix_value, key, value, rows, mask, 
     return attend(*tensors)
 
 
+def empty_additive_mask(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """A zero mask of ``shape`` whose rows start every :data:`~.expand_memory.MASK_ALIGNMENT` elements.
+
+    The storage's last dim is rounded up and the result is a slice of it: SDPA's memory-efficient kernel copies a
+    mask whose strides are not multiples of 8 in every call (``pad_bias``), and under grad saves each copy.
+    """
+    *leading, width = shape
+    return torch.zeros(*leading, padded_width(width), dtype=dtype, device=device)[..., :width]
+
+
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The boolean ``mask`` (True where a query may attend) as an additive mask of ``dtype``: 0 or -inf.
+    """The boolean ``mask`` (True where a query may attend) as an additive mask of ``dtype``: 0 or -inf, rows
+    aligned (:func:`empty_additive_mask`).
 
     Built once per phase and shared by every layer: given a boolean mask, SDPA's math kernel builds this tensor
     itself in every layer and saves each copy for backward.
     """
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    return empty_additive_mask(mask.shape, dtype, mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def shared_mask(context: SharedContext, window, dtype: torch.dtype) -> torch.Tensor:
+    """Phase 2's additive mask of ``dtype``, rows aligned: (rows, 1, C, L + C), or (1, 1, C, L + C) expanded over the
+    rows when every prefix key is valid and no window hides a key (the mask is then the same for every row).
+
+    Written in place, part by part, so no boolean (rows, 1, C, L + C) temporary exists beside it.
+    """
+    capture = context.capture
+    rows = context.group_index
+    prefix_len, length = capture.key_valid.shape[1], context.positions.shape[1]
+    device = context.positions.device
+    shared_by_rows = window_is_moot(window, prefix_len + length) and bool(capture.key_valid.all())
+    batch = 1 if shared_by_rows else rows.numel()
+    mask = empty_additive_mask((batch, 1, length, prefix_len + length), dtype, device)
+    mask[..., prefix_len:].masked_fill_(~own_causal_mask(context, window), float("-inf"))
+    if shared_by_rows:
+        return mask.expand(rows.numel(), -1, -1, -1)
+    mask[..., :prefix_len].masked_fill_(completion_prefix_blocked(context, window), float("-inf"))
+    return mask
 
 
 def _window_ok(query_positions, key_positions, window):
@@ -107,17 +159,21 @@ def own_causal_mask(context: SharedContext, window) -> torch.Tensor:
     return mask[None, None]
 
 
-def completion_prefix_mask(context: SharedContext, window) -> torch.Tensor:
-    """(rows, 1, C, prefix_len) bool mask of completion queries over their group's prefix keys."""
+def completion_prefix_blocked(context: SharedContext, window) -> torch.Tensor:
+    """Bool, True where a completion query may NOT see a prefix key: (rows, 1, 1, L) (padded keys) without a
+    window, (rows, 1, C, L) with one."""
     capture = context.capture
     rows = context.group_index
-    mask = capture.key_valid[rows][:, None, :].expand(-1, context.positions.shape[1], -1)
+    blocked = ~capture.key_valid[rows][:, None, None, :]
     if window is not None:
-        mask = mask & _window_ok(context.positions[:, :, None], capture.positions[rows][:, None, :], window)
-    return mask[:, None]
+        outside = ~_window_ok(context.positions[:, :, None], capture.positions[rows][:, None, :], window)
+        blocked = blocked | outside[:, None]
+    return blocked
 
 
-def masked_attention(query, key, value, mask, *, scaling, softcap, dropout, sinks=None) -> torch.Tensor:
+def masked_attention(
+    query, key, value, mask, *, scaling, softcap, dropout, sinks=None, is_causal: bool = False
+) -> torch.Tensor:
     """Softmax attention under a mask.
 
     Args:
@@ -126,6 +182,7 @@ def masked_attention(query, key, value, mask, *, scaling, softcap, dropout, sink
             differ from head_dim); kv_heads divides heads (grouped-query attention).
         mask: broadcastable to (batch, 1, q_len, k_len); bool (True where a query may attend) or additive in
             ``query``'s dtype (0 where it may, -inf where not). Every query row must be able to attend somewhere.
+            None with ``is_causal`` (q_len == k_len): query i sees keys 0..i.
         scaling: multiplies the scores; softcap: scores -> softcap * tanh(scores / softcap) when not None.
         sinks: (heads,) attention-sink logits or None; each head's sink joins the softmax denominator of every
             query (as one more key whose value is zero), so the weights over real keys sum to less than one.
@@ -135,9 +192,13 @@ def masked_attention(query, key, value, mask, *, scaling, softcap, dropout, sink
     """
     groups = query.shape[1] // key.shape[1]
     if softcap is None and sinks is None:
-        out = _sdpa(query, key, value, mask, dropout=dropout, scale=scaling, groups=groups)
+        out = _sdpa(query, key, value, mask, dropout=dropout, scale=scaling, groups=groups, is_causal=is_causal)
         return out.transpose(1, 2).contiguous()
     # SDPA takes neither a softcap nor sinks: compute the scores explicitly.
+    if _fused_path(query):
+        check_explicit_scores(query, key.shape[2])
+    if mask is None and is_causal:
+        mask = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device).tril()
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
@@ -151,53 +212,52 @@ def masked_attention(query, key, value, mask, *, scaling, softcap, dropout, sink
     return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
 
-#: Device types on which the expand backend takes its fused-kernel path: SDPA's kernels in the order of
-#: :data:`KERNEL_PRIORITY`, KV heads repeated where a mask meets grouped-query attention, and the per-row prefix
-#: copies recomputed in backward instead of saved (:func:`gathered_attention`). Tests add "cpu" to check its numbers.
+#: Device types on which the expand backend takes its fused-kernel path: the SDPA kernel chosen by asking torch
+#: which accepts the call (``sdpa_kernels``), KV heads repeated only for a kernel that rejects grouped heads, the
+#: per-row prefix copies recomputed in backward instead of saved (:func:`gathered_attention`), explicit scores
+#: refused above a budget. Tests add "cpu" to run it, and its checks of CUDA's rules, on CPU.
 _FUSED_PATH_DEVICES = {"cuda"}
-
-#: SDPA kernels the fused-kernel path allows, most preferred first. A masked attention cannot use flash; the
-#: memory-efficient kernel takes masks; math, the last resort, materializes the scores.
-KERNEL_PRIORITY = ("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "CUDNN_ATTENTION", "MATH")
 
 
 def _fused_path(tensor: torch.Tensor) -> bool:
-    return tensor.device.type in _FUSED_PATH_DEVICES
+    return on_fused_path(tensor.device)
 
 
-def _sdpa(query, key, value, mask, *, dropout, scale, groups) -> torch.Tensor:
+def on_fused_path(device: torch.device) -> bool:
+    """Whether the expand backend takes its fused-kernel path on ``device``."""
+    return torch.device(device).type in _FUSED_PATH_DEVICES
+
+
+def _sdpa(query, key, value, mask, *, dropout, scale, groups, is_causal) -> torch.Tensor:
     """F.scaled_dot_product_attention over (batch, heads, q_len, head_dim) queries; (batch, heads, q_len, v_dim)."""
     if not _fused_path(query):
         return F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=groups > 1
+            query,
+            key,
+            value,
+            attn_mask=mask,
+            dropout_p=dropout,
+            scale=scale,
+            is_causal=is_causal,
+            enable_gqa=groups > 1,
         )
-    if groups > 1 and mask is not None:
-        # Flash attention takes no mask and torch 2.11's memory-efficient kernel no GQA: with both, SDPA would fall
-        # to the math kernel. Repeated KV heads (a copy of the keys/values, smaller than the scores) let the
-        # memory-efficient kernel take the mask.
+    choice = sdpa_kernels.choose(query, key, value, mask, dropout=dropout, is_causal=is_causal)
+    if groups > 1 and choice.repeat_kv:
+        # A copy of the keys/values per query head (smaller than the scores the math kernel would build).
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
         groups = 1
-    with _kernel_priority():
+    with sdpa_kernels.run_on(choice):
         return F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout, scale=scale, enable_gqa=groups > 1
+            query,
+            key,
+            value,
+            attn_mask=mask,
+            dropout_p=dropout,
+            scale=scale,
+            is_causal=is_causal,
+            enable_gqa=groups > 1,
         )
-
-
-def _kernel_priority():
-    """``sdpa_kernel`` allowing :data:`KERNEL_PRIORITY`, in that order where torch takes an order (set_priority)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    backends = [getattr(SDPBackend, name) for name in KERNEL_PRIORITY if hasattr(SDPBackend, name)]
-    if _takes_priority(sdpa_kernel):
-        return sdpa_kernel(backends, set_priority=True)
-    return sdpa_kernel(backends)
-
-
-@functools.cache
-def _takes_priority(sdpa_kernel) -> bool:
-    # set_priority arrived in torch 2.6 or so; without it the list only enables kernels, in torch's own order.
-    return "set_priority" in inspect.signature(sdpa_kernel).parameters
 
 
 def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:

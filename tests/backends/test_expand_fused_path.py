@@ -1,6 +1,6 @@
 """The expand backend's fused-kernel path (the one it takes on CUDA), selected on CPU to check its numbers: one
-additive mask per phase shared by every layer, repeated KV heads instead of GQA under a mask, SDPA's memory-efficient
-kernel first, and no per-row prefix copies kept for backward. Exact against dense in float32; the attention itself
+additive mask per phase shared by every layer, the SDPA kernel chosen by torch's own checks (the math kernel on CPU),
+and no per-row prefix copies kept for backward. Exact against dense in float32; the attention itself
 against plain attention in float64."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 from support.exactness import compare_with_dense, max_relative_grad_error, parameter_grads, weighted_loss
+from support.sdpa_spy import SdpaCalls
 from support.tiny_models import build_model, make_batch
 
 from shared_prefix_logps import chunked_backward, compute_logps
-from shared_prefix_logps.backends import expand
+from shared_prefix_logps.backends import expand, sdpa_kernels
 from shared_prefix_logps.bench.memory import LiveTensorBytes
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -48,7 +49,7 @@ def _reference_attention(query, keys, values, allowed, scaling, softcap):
 @pytest.mark.usefixtures("fused_path_on_cpu")
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_gathered_attention_in_float64(softcap):
-    """The fused path's attention (prefix gathered per row and recomputed in backward, additive mask, repeated
+    """The fused path's attention (prefix gathered per row and recomputed in backward, additive mask, grouped
     heads) against plain attention over explicitly gathered keys, values and gradients, in float64."""
     gen = torch.Generator().manual_seed(0)
     prompts, rows_per_prompt, heads, kv_heads, prefix, length, dim = 3, 4, 6, 2, 7, 5, 8
@@ -105,32 +106,12 @@ def test_fused_path_chunked_backward_matches_dense(checkpointing):
     assert max_relative_grad_error(grads, expected) <= 1e-4
 
 
-class SdpaCalls:
-    """Records what every F.scaled_dot_product_attention call receives."""
-
-    def __init__(self, sdpa):
-        self.sdpa = sdpa
-        self.calls = []
-
-    def __call__(self, query, key, value, attn_mask=None, **kwargs):
-        order = torch._C._get_sdp_priority_order() if hasattr(torch._C, "_get_sdp_priority_order") else None
-        self.calls.append(
-            dict(
-                mask=attn_mask,
-                key_len=key.shape[2],
-                same_heads=key.shape[1] == query.shape[1],
-                gqa=kwargs.get("enable_gqa", False),
-                first_kernel=None if order is None else order[0],
-            )
-        )
-        return self.sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
-
-
 @pytest.mark.parametrize("fused", [False, True])
 def test_one_additive_mask_per_phase_shared_by_every_layer(fused, monkeypatch):
     if fused:
         monkeypatch.setattr(expand, "_FUSED_PATH_DEVICES", expand._FUSED_PATH_DEVICES | {"cpu"})
     spy = SdpaCalls(torch.nn.functional.scaled_dot_product_attention)
+    sdpa_kernels.clear_cache()
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     layers = 3
     model = build_model("llama", layers=layers)  # 4 query heads over 2 KV heads
@@ -147,11 +128,10 @@ def test_one_additive_mask_per_phase_shared_by_every_layer(fused, monkeypatch):
     assert phase2[0]["key_len"] > phase1[0]["key_len"]  # Phase 2 keys: prefix and own tokens
     ours = phase1 + phase2 + backward_calls
     if fused:
-        assert all(call["same_heads"] and not call["gqa"] for call in ours)
-        from torch.nn.attention import SDPBackend
-
-        first = [call["first_kernel"] for call in ours if call["first_kernel"] is not None]
-        assert all(kernel == SDPBackend.EFFICIENT_ATTENTION.value for kernel in first)
+        # On CPU no fused kernel accepts a call, so each runs on the math kernel alone, which takes grouped heads:
+        # none are repeated. (CUDA's kernels are emulated in test_expand_cuda_rules.py.)
+        assert all(call["gqa"] and not call["same_heads"] for call in ours)
+        assert all(call["enabled"] == ("MATH",) for call in ours)
         # Phase 2's attention runs again in backward, over the same shared mask.
         assert [id(call["mask"]) for call in backward_calls] == [id(phase2[0]["mask"])] * layers
     else:

@@ -15,7 +15,7 @@ from support.graph_counter import GraphCounter
 from support.tiny_models import build_model, make_batch
 
 from shared_prefix_logps import LogpsOutput, chunked_backward, compute_logps
-from shared_prefix_logps.backends import expand, flex
+from shared_prefix_logps.backends import flex, sdpa_kernels
 
 pytestmark = [
     pytest.mark.gpu,
@@ -164,7 +164,7 @@ def test_bf16_error_within_dense_bf16_error(family, backend, mode):
 def test_expand_runs_without_the_math_kernel(dtype, monkeypatch):
     """With the math kernel removed from the allowed SDPA kernels, expand still runs forward and backward (SDPA
     raises when no allowed kernel takes a call): masked grouped-query attention reaches a fused kernel."""
-    monkeypatch.setattr(expand, "KERNEL_PRIORITY", ("EFFICIENT_ATTENTION", "FLASH_ATTENTION", "CUDNN_ATTENTION"))
+    monkeypatch.setattr(sdpa_kernels, "ALLOWED_KERNELS", sdpa_kernels.FUSED_KERNELS)
     model = cuda_model("llama", dtype)  # 4 query heads over 2 KV heads
     prompts, pmask, comps, cmask = cuda_batch()
     out = compute_logps(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, backend="expand")

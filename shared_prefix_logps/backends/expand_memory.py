@@ -1,0 +1,136 @@
+"""The memory the expand backend's attention takes beyond the model's own activations, term by term.
+
+With L = P - 1 prefix keys (Phase 1 forwards ``prompt[:, :-1]``), C completion tokens per row, h query heads,
+g KV heads, d head size, s bytes per element of the model's dtype and ``pad16(n)`` = n rounded up to a multiple of 16:
+
+Phase 1, per prompt (one layer at a time; with gradients the mask is shared by all layers and each layer's saved
+tensors add up):
+    mask                 L x pad16(L) x s          only for left-padded prompts or a window shorter than L; an
+                                                   unpadded prompt runs causal SDPA with no mask
+    repeated K/V         2 x h x L x d x s         only when the chosen kernel rejects grouped heads
+    explicit scores      h x L x L x (4 + 2s)      softcap/sinks models: scores, float32 softmax, probabilities
+Phase 2, per completion row:
+    mask                 C x pad16(L + C) x s      one (1, 1, C, .) mask for all rows when no prompt of the batch
+                                                   is padded and there is no window
+    gathered K/V         2 x g x (L + C) x d x s   each row's prompt keys/values next to its own
+    repeated K/V         2 x h x (L + C) x d x s   only when the chosen kernel rejects grouped heads
+    explicit scores      h x C x (L + C) x (4 + 2s)
+
+The Phase 2 mask is quadratic and G-fold: P = 16k, G = 64, C = 1k, bf16 is 2.1 GiB per prompt. The repeated K/V of
+one layer of Qwen2.5-7B (h = 28, g = 4, d = 128) at that shape is 15 GiB per prompt. No-grad scoring batches are
+sized by these terms (``token_budget``); explicit scores over :data:`EXPLICIT_SCORES_BUDGET` bytes are refused on
+the fused-kernel path (CUDA) with a message naming their size (``backend='flex'`` computes the same attention
+without a score matrix).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+#: Masks are allocated with their last dim rounded up to a multiple of this many elements and handed to SDPA as a
+#: slice: SDPA's memory-efficient kernel copies (pads) a mask whose row stride is not a multiple of 8 in every call,
+#: and saves the copy for backward.
+MASK_ALIGNMENT = 16
+
+#: Most bytes the explicit attention scores of one layer (softcap or sinks models) may take on the fused-kernel
+#: path before the call is refused.
+EXPLICIT_SCORES_BUDGET = 4 * 2**30
+
+
+def padded_width(length: int) -> int:
+    """``length`` rounded up to a multiple of :data:`MASK_ALIGNMENT`."""
+    return -(-length // MASK_ALIGNMENT) * MASK_ALIGNMENT
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """What the memory terms of a model depend on.
+
+    Attributes:
+        hidden_size, heads, kv_heads, head_dim: from the model's config.
+        itemsize: bytes per element of the model's parameters (its activations' dtype).
+        explicit_scores: whether its attention computes scores explicitly (attention softcap or sinks).
+        sliding_window: the config's sliding window (None: none), which makes a mask necessary when it is shorter
+            than the keys.
+    """
+
+    hidden_size: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    itemsize: int
+    explicit_scores: bool
+    sliding_window: int | None = None
+
+    @classmethod
+    def of_model(cls, causal_lm: torch.nn.Module) -> AttentionShape:
+        """The shape of a transformers causal LM (its text config for multimodal configs)."""
+        config = causal_lm.config
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config()
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        explicit = getattr(config, "attn_logit_softcapping", None) is not None or config.model_type == "gpt_oss"
+        return cls(
+            hidden_size=config.hidden_size,
+            heads=heads,
+            kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            itemsize=causal_lm.get_input_embeddings().weight.dtype.itemsize,
+            explicit_scores=explicit,
+            sliding_window=getattr(config, "sliding_window", None),
+        )
+
+    def windowed(self, keys: int) -> bool:
+        """Whether the sliding window hides some of ``keys`` keys from a query (so a mask is needed)."""
+        return self.sliding_window is not None and self.sliding_window < keys
+
+
+def prompt_bytes(shape: AttentionShape, prefix_len: int, *, masked: bool, repeats_kv: bool) -> int:
+    """Bytes one prompt adds to a Phase 1 layer beyond its hidden states (see the module docstring)."""
+    s = shape.itemsize
+    total = prefix_len * padded_width(prefix_len) * s if masked else 0
+    if repeats_kv:
+        total += 2 * shape.heads * prefix_len * shape.head_dim * s
+    if shape.explicit_scores:
+        total += scores_bytes(shape.heads, prefix_len, prefix_len, s)
+    return total
+
+
+def row_bytes(shape: AttentionShape, prefix_len: int, completion_len: int, *, masked: bool, repeats_kv: bool) -> int:
+    """Bytes one completion row adds to a Phase 2 layer beyond its hidden states (see the module docstring)."""
+    s, keys = shape.itemsize, prefix_len + completion_len
+    total = completion_len * padded_width(keys) * s if masked else 0
+    total += 2 * shape.kv_heads * keys * shape.head_dim * s
+    if repeats_kv:
+        total += 2 * shape.heads * keys * shape.head_dim * s
+    if shape.explicit_scores:
+        total += scores_bytes(shape.heads, completion_len, keys, s)
+    return total
+
+
+def scores_bytes(heads: int, queries: int, keys: int, itemsize: int) -> int:
+    """Bytes of one row's explicit attention: scores and probabilities in the model's dtype, float32 softmax."""
+    return heads * queries * keys * (4 + 2 * itemsize)
+
+
+def check_explicit_scores(query: torch.Tensor, keys: int) -> None:
+    """Refuse explicit attention scores over :data:`EXPLICIT_SCORES_BUDGET` bytes.
+
+    Args:
+        query: (batch, heads, q_len, head_dim); keys: the key length.
+    Raises:
+        ValueError: naming the bytes the scores would take and what to do instead.
+    """
+    batch, heads, queries, _ = query.shape
+    need = batch * scores_bytes(heads, queries, keys, query.element_size())
+    if need > EXPLICIT_SCORES_BUDGET:
+        raise ValueError(
+            f"backend='expand' computes this model's attention scores explicitly (attention softcap or sinks): "
+            f"{batch} rows x {heads} heads x {queries} queries x {keys} keys would take {need / 2**30:.1f} GiB per "
+            f"layer, over expand_memory.EXPLICIT_SCORES_BUDGET ({EXPLICIT_SCORES_BUDGET / 2**30:.1f} GiB). Use "
+            "backend='flex' (no score matrix), or fewer rows at once (chunked_backward's generations_per_chunk, "
+            "token_budget), or raise the budget"
+        )

@@ -1,0 +1,279 @@
+"""CUDA's SDPA rules, checked on CPU on the expand backend's fused-kernel path (the branch it takes on CUDA, selected
+here for "cpu"):
+
+- every additive mask handed to SDPA has rows that start every 16 elements (the memory-efficient kernel copies a
+  mask whose strides are not multiples of 8 in every call, and saves the copy for backward);
+- unpadded prompts without a window run Phase 1 with ``is_causal=True`` and no mask (kernels skip the key tiles above
+  the diagonal), and their Phase 2 mask is one row expanded over all rows;
+- the kernel is the first in torch's own priority order whose checks accept the call, KV heads are repeated only for a
+  kernel that rejects grouped heads, and torch's priority order (which torch initializes in the first SDPA call of a
+  process, cuDNN first on sm90) is left as torch set it. A fake SDPA stands in for CUDA's kernel selection, with the
+  acceptance rules of torch 2.11 on sm80 and of torch 2.13 on sm90;
+- softcap/sinks attention, whose scores are explicit, is refused above a memory budget, with its size named;
+and the results stay exact against dense (log-probs and every parameter's gradient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from support.exactness import compare_with_dense
+from support.sdpa_spy import SdpaCalls, enabled_kernels
+from support.tiny_models import build_model, make_batch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from shared_prefix_logps import compute_logps
+from shared_prefix_logps.backends import expand, expand_memory, sdpa_kernels
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+HEAD_DIM = 8  # the tiny models' head size; the priority probe's own call has 64
+
+
+@pytest.fixture
+def fused_path_on_cpu(monkeypatch):
+    monkeypatch.setattr(expand, "_FUSED_PATH_DEVICES", expand._FUSED_PATH_DEVICES | {"cpu"})
+    sdpa_kernels.clear_cache()
+    yield
+    sdpa_kernels.clear_cache()
+
+
+def unpadded_batch(num_prompts, generations, prompt_len, completion_len, seed=0):
+    """Prompts without padding (completions right-padded as in make_batch)."""
+    _, _, comps, cmask = make_batch(num_prompts, generations, prompt_len, completion_len, seed=seed)
+    prompts = torch.randint(1, 101, (num_prompts, prompt_len), generator=torch.Generator().manual_seed(seed))
+    return prompts, torch.ones_like(prompts, dtype=torch.bool), comps, cmask
+
+
+def library_calls(spy):
+    return [call for call in spy.calls if call["head_dim"] == HEAD_DIM]
+
+
+def run_with_spy(monkeypatch, family, batch, sdpa=None):
+    spy = SdpaCalls(sdpa or torch.nn.functional.scaled_dot_product_attention)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    model = build_model(family, layers=2)
+    prompts, pmask, comps, cmask = batch
+    out = compute_logps(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, backend="expand")
+    out.logps.sum().backward()
+    return library_calls(spy)
+
+
+def aligned_rows(mask: torch.Tensor) -> bool:
+    return mask.stride(-1) == 1 and all(stride % 16 == 0 for stride in mask.stride()[:-1])
+
+
+@pytest.mark.usefixtures("fused_path_on_cpu")
+@pytest.mark.parametrize(
+    "family, padded",
+    [("llama", True), ("llama", False), ("mistral", False), ("mistral", True)],
+)
+def test_every_mask_handed_to_sdpa_has_aligned_rows(family, padded, monkeypatch):
+    # P and C multiples of 8: the masks' last dims, L = P - 1 (Phase 1) and L + C (Phase 2), are 7 mod 8.
+    maker = make_batch if padded else unpadded_batch
+    calls = run_with_spy(monkeypatch, family, maker(2, 3, 16, 8))
+    masks = [call["mask"] for call in calls if call["mask"] is not None]
+    assert masks  # Phase 2 always has one; Mistral's window (6 keys) needs one in Phase 1 too
+    assert any(mask.shape[-1] == 23 for mask in masks)
+    for mask in masks:
+        assert aligned_rows(mask), (tuple(mask.shape), mask.stride())
+
+
+@pytest.mark.usefixtures("fused_path_on_cpu")
+def test_unpadded_prompts_run_phase1_causal_without_mask(monkeypatch):
+    layers = 2
+    calls = run_with_spy(monkeypatch, "llama", unpadded_batch(2, 3, 16, 8))
+    phase1 = [call for call in calls if call["key_len"] == 15]
+    phase2 = [call for call in calls if call["key_len"] == 23]
+    assert len(phase1) == layers and len(phase2) == 2 * layers  # Phase 2 runs again in backward
+    assert all(call["mask"] is None and call["is_causal"] for call in phase1)
+    # Phase 2: the same mask for every row, one (1, 1, C, L + C) row expanded (batch stride 0), not 6 copies.
+    mask = phase2[0]["mask"]
+    assert mask.shape == (6, 1, 8, 23) and mask.stride(0) == 0 and not phase2[0]["is_causal"]
+    # A padded batch keeps Phase 1's mask.
+    padded = run_with_spy(monkeypatch, "llama", make_batch(2, 3, 16, 8))
+    assert all(call["mask"] is not None and not call["is_causal"] for call in padded if call["key_len"] == 15)
+
+
+@pytest.mark.usefixtures("fused_path_on_cpu")
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("prompt_len", [16, 1])
+def test_unpadded_prompts_on_fused_path_match_dense(family, prompt_len):
+    # prompt_len 1: no prefix at all, Phase 2 is causal attention over the completions alone.
+    model = build_model(family)
+    prompts, pmask, comps, cmask = unpadded_batch(2, 3, prompt_len, 8, seed=5)
+    errors = compare_with_dense(
+        model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, temperature=0.7, return_entropy=True
+    )
+    assert errors[0] <= 1e-5 and errors[1] <= 1e-5 and errors[2] <= 1e-4, errors
+
+
+# ---- kernel choice under CUDA's rules, emulated ---------------------------------------------------------------------
+
+_CODES = {"MATH": 0, "FLASH_ATTENTION": 1, "EFFICIENT_ATTENTION": 2, "CUDNN_ATTENTION": 3, "OVERRIDEABLE": 4}
+_NAMES = {code: name for name, code in _CODES.items()}
+
+
+def _grouped(query, key, enable_gqa):
+    return key.shape[1] != query.shape[1]
+
+
+def _flash(query, key, value, mask, is_causal, enable_gqa):
+    # No mask; a causal call only with as many queries as keys; grouped heads natively.
+    return mask is None and (not is_causal or query.shape[2] == key.shape[2])
+
+
+def _efficient_2_11(query, key, value, mask, is_causal, enable_gqa):
+    return not _grouped(query, key, enable_gqa)  # torch 2.11: no grouped-query heads
+
+
+def _anything(query, key, value, mask, is_causal, enable_gqa):
+    return True
+
+
+def _nothing(query, key, value, mask, is_causal, enable_gqa):
+    return False
+
+
+@dataclass
+class FakeCudaTorch:
+    """CUDA's SDPA kernel selection, emulated: per-kernel acceptance rules, the priority order torch starts with and
+    the one it sets in its first SDPA call of the process."""
+
+    rules: dict
+    initial_order: tuple = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH", "CUDNN_ATTENTION", "OVERRIDEABLE")
+    first_call_order: tuple | None = None
+    real_sdpa: object = None
+    initialized: bool = False
+    kernels: list = field(default_factory=list)
+
+    def accepts(self, kernel, query, key, value, mask, dropout, is_causal, enable_gqa):
+        if _grouped(query, key, enable_gqa) and not enable_gqa:
+            return False
+        return self.rules[kernel](query, key, value, mask, is_causal, enable_gqa)
+
+    def __call__(self, query, key, value, attn_mask=None, **kwargs):
+        if not self.initialized:  # what torch's priority_order() does in its first call
+            self.initialized = True
+            if self.first_call_order is not None:
+                torch._C._set_sdp_priority_order([_CODES[name] for name in self.first_call_order])
+        enabled = enabled_kernels()
+        for code in torch._C._get_sdp_priority_order():
+            kernel = _NAMES[int(code)]
+            if kernel not in enabled:
+                continue
+            is_causal, gqa = kwargs.get("is_causal", False), kwargs.get("enable_gqa", False)
+            if kernel == "MATH" or self.accepts(kernel, query, key, value, attn_mask, 0.0, is_causal, gqa):
+                self.kernels.append(kernel)
+                # The numbers come from torch's CPU kernels, whatever the emulated selection enabled.
+                with sdpa_kernel([SDPBackend.MATH, SDPBackend.FLASH_ATTENTION]):
+                    return self.real_sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+
+TORCH_2_11_SM80 = dict(
+    rules={"CUDNN_ATTENTION": _nothing, "FLASH_ATTENTION": _flash, "EFFICIENT_ATTENTION": _efficient_2_11},
+)
+TORCH_2_13_SM90 = dict(
+    rules={"CUDNN_ATTENTION": _anything, "FLASH_ATTENTION": _flash, "EFFICIENT_ATTENTION": _anything},
+    first_call_order=("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"),
+)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch, fused_path_on_cpu):
+    """Install a FakeCudaTorch (call it with the rules) as SDPA and as the library's acceptance check, starting from
+    torch's order before its first call; torch's order is restored afterwards."""
+    saved = list(torch._C._get_sdp_priority_order())
+
+    def install(**setup):
+        fake = FakeCudaTorch(real_sdpa=torch.nn.functional.scaled_dot_product_attention, **setup)
+        torch._C._set_sdp_priority_order([_CODES[name] for name in fake.initial_order])
+        monkeypatch.setattr(sdpa_kernels, "accepts", fake.accepts)
+        return fake
+
+    yield install
+    torch._C._set_sdp_priority_order(saved)
+
+
+def test_sm90_runs_every_call_on_cudnn_and_keeps_torchs_order(fake_cuda, monkeypatch):
+    fake = fake_cuda(**TORCH_2_13_SM90)
+    flags = enabled_kernels()
+    model = build_model("llama")  # 4 query heads over 2 KV heads
+    for batch in (unpadded_batch(2, 3, 16, 8), make_batch(2, 3, 16, 8)):
+        spy = SdpaCalls(fake)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        prompts, pmask, comps, cmask = batch
+        errors = compare_with_dense(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask)
+        assert errors[0] <= 1e-5 and errors[2] <= 1e-4, errors
+        ours = [i for i, call in enumerate(spy.calls) if call["head_dim"] == HEAD_DIM and call["enabled"] != flags]
+        assert ours
+        assert all(fake.kernels[i] == "CUDNN_ATTENTION" for i in ours)
+        assert all(spy.calls[i]["enabled"] == ("CUDNN_ATTENTION",) for i in ours)
+        # cuDNN takes grouped heads: none repeated.
+        assert all(spy.calls[i]["gqa"] and not spy.calls[i]["same_heads"] for i in ours)
+    # torch's own first-call initialization (cuDNN first) survives the library's calls; the flags are restored.
+    assert [_NAMES[int(c)] for c in torch._C._get_sdp_priority_order()][:4] == list(TORCH_2_13_SM90["first_call_order"])
+    assert enabled_kernels() == flags
+
+
+def test_torch_2_11_repeats_heads_only_for_the_kernel_that_needs_it(fake_cuda, monkeypatch):
+    fake = fake_cuda(**TORCH_2_11_SM80)
+    initial = list(torch._C._get_sdp_priority_order())
+    spy = SdpaCalls(fake)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    model = build_model("llama")
+    prompts, pmask, comps, cmask = unpadded_batch(2, 3, 16, 8)
+    errors = compare_with_dense(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask)
+    assert errors[0] <= 1e-5 and errors[2] <= 1e-4, errors
+    ours = [(fake.kernels[i], call) for i, call in enumerate(spy.calls) if call["enabled"] != enabled_kernels()]
+    phase1 = [(kernel, call) for kernel, call in ours if call["key_len"] == 15]
+    phase2 = [(kernel, call) for kernel, call in ours if call["key_len"] == 23]
+    assert phase1 and phase2
+    # Phase 1 (causal, no mask): flash, grouped heads native.
+    assert all(kernel == "FLASH_ATTENTION" and call["gqa"] and not call["same_heads"] for kernel, call in phase1)
+    # Phase 2 (a mask, grouped heads): flash takes no mask, the memory-efficient kernel no grouped heads: repeated.
+    assert all(kernel == "EFFICIENT_ATTENTION" and call["same_heads"] for kernel, call in phase2)
+    assert list(torch._C._get_sdp_priority_order()) == initial
+
+
+def test_no_acceptable_kernel_is_a_clear_error(fake_cuda, monkeypatch):
+    fake_cuda(rules={"CUDNN_ATTENTION": _nothing, "FLASH_ATTENTION": _nothing, "EFFICIENT_ATTENTION": _nothing})
+    monkeypatch.setattr(sdpa_kernels, "ALLOWED_KERNELS", sdpa_kernels.FUSED_KERNELS)
+    model = build_model("llama")
+    prompts, pmask, comps, cmask = make_batch(2, 2, 9, 5)
+    with pytest.raises(RuntimeError, match="no enabled SDPA kernel"):
+        compute_logps(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, backend="expand")
+
+
+def test_kernels_the_user_disabled_are_not_chosen(fake_cuda, monkeypatch):
+    fake = fake_cuda(**TORCH_2_13_SM90)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", fake)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        model = build_model("llama")
+        prompts, pmask, comps, cmask = make_batch(2, 2, 9, 5)
+        compute_logps(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, backend="expand")
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+    assert fake.kernels and "CUDNN_ATTENTION" not in fake.kernels
+    assert "EFFICIENT_ATTENTION" in fake.kernels
+
+
+# ---- explicit scores ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_explicit_scores_over_budget_are_refused_on_fused_path(family, monkeypatch):
+    model = build_model(family)
+    prompts, pmask, comps, cmask = make_batch(2, 3, 12, 6)
+    kwargs = dict(prompt_mask=pmask, completion_mask=cmask, backend="expand")
+    monkeypatch.setattr(expand_memory, "EXPLICIT_SCORES_BUDGET", 4096)
+    compute_logps(model, prompts, comps, **kwargs)  # off the fused path the budget does not apply
+    monkeypatch.setattr(expand, "_FUSED_PATH_DEVICES", expand._FUSED_PATH_DEVICES | {"cpu"})
+    with pytest.raises(ValueError, match=r"GiB per layer.*backend='flex'"):
+        compute_logps(model, prompts, comps, **kwargs)
+    monkeypatch.setattr(expand_memory, "EXPLICIT_SCORES_BUDGET", 2**30)
+    assert torch.isfinite(compute_logps(model, prompts, comps, **kwargs).logps).all()

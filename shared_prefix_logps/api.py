@@ -12,7 +12,7 @@ from .model import PreparedModel, prepare_model
 from .moe_router import RouterStats, router_spec
 from .output import LogpsOutput, write_rows
 from .phases import capture_prefix, score_rows, score_rows_routed
-from .token_budget import DEFAULT_TOKEN_BUDGET, plan_prompt_batches, plan_row_batches
+from .token_budget import DEFAULT_TOKEN_BUDGET, ScoringCosts, plan_prompt_batches, plan_row_batches
 
 
 def compute_logps(
@@ -47,7 +47,8 @@ def compute_logps(
             prefix keys/values; SDPA), ``"flex"`` (packed, no padding, one flex_attention call per layer; backward
             on CUDA only) or ``"dense"`` (the conventional full-row forward, for reference).
         token_budget: under ``torch.no_grad()``, the most tokens forwarded at once (prompts per Phase 1 chunk,
-            completion rows per Phase 2 chunk; with ``expand`` a row counts its prefix too). Default
+            completion rows per Phase 2 chunk; with ``expand`` a prompt and a row also count the bytes of their masks,
+            gathered keys/values and explicit scores as hidden states' worth of tokens: ``token_budget.py``). Default
             ``DEFAULT_TOKEN_BUDGET``. Ignored when gradients are enabled.
         return_router_stats: MoE models that compute a router load-balancing loss (Mixtral, Qwen2-MoE, Qwen3-MoE,
             GPT-OSS): also return each row's router statistics (``out.router``; ``out.router.aux_loss()`` equals
@@ -184,11 +185,11 @@ def run_batch(
     packed = backend == "flex"
     budget = None if torch.is_grad_enabled() else (token_budget or DEFAULT_TOKEN_BUDGET)
     routed_rows, routed = [], []
-    for prompt_indices in plan_prompt_batches(batch.prompt_mask, budget):
+    costs = None if budget is None else ScoringCosts.of(prepared.causal_lm, prepared.device, packed=packed)
+    for prompt_indices in plan_prompt_batches(batch.prompt_mask, budget, costs):
         sub, sub_rows = batch.select_prompts(prompt_indices)
         capture = capture_prefix(prepared, sub.prompt_ids, sub.prompt_mask, packed=packed, router_top_k=top_k)
-        prefix_cost = 0 if packed else sub.prompt_ids.shape[1]
-        for local_rows in plan_row_batches(sub.completion_mask, prefix_cost, budget):
+        for local_rows in plan_row_batches(sub.completion_mask, sub.prompt_mask, budget, costs):
             part = sub.select_rows(local_rows)
             if not part.completion_mask.any() and not nothing_valid and top_k is None:
                 continue  # zeros already; an all-masked batch is forwarded anyway (see above)

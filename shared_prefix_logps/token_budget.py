@@ -1,38 +1,104 @@
 """How no-grad scoring cuts a batch into *scoring batches* whose forwards stay within a token budget.
 
 (Not to be confused with the *generation chunks* of ``chunked_backward`` or the fused head's *row chunks*.)
+
+A token of budget is one forwarded token, and also the bytes of one hidden state (``hidden_size`` elements of the
+model's dtype): memory a phase takes beyond its tokens' activations counts as that many bytes' worth of tokens. With
+the ``expand`` backend those are the terms of :mod:`~shared_prefix_logps.backends.expand_memory` (the additive masks,
+each row's gathered prompt keys/values, KV heads repeated for a kernel without grouped-query support, explicit
+attention scores), which grow with the prompt length and, for the masks and scores, with its square; counting the
+prompt's tokens alone would let them outgrow any budget. The packed ``flex`` backend copies nothing per row.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from .backends.expand import on_fused_path
+from .backends.expand_memory import AttentionShape, prompt_bytes, row_bytes
 
 #: Default most tokens forwarded at once when scoring without gradients.
 DEFAULT_TOKEN_BUDGET = 32768
 
 
-def plan_prompt_batches(prompt_mask: torch.Tensor, budget: int | None) -> list[torch.Tensor]:
-    """Consecutive prompt indices per Phase 1 scoring batch: each batch's padded prompt tokens fit in ``budget``.
+@dataclass(frozen=True)
+class ScoringCosts:
+    """What a prompt (Phase 1) and a completion row (Phase 2) count against the budget, in tokens.
+
+    Attributes:
+        shape: the model's attention shape, or None for the packed layout (tokens only).
+        repeats_kv: whether the memory terms include repeated KV heads (the fused-kernel path with grouped heads,
+            counted whether or not the kernel chosen later takes the heads natively: an upper bound).
+    """
+
+    shape: AttentionShape | None
+    repeats_kv: bool = False
+
+    @classmethod
+    def of(cls, causal_lm: torch.nn.Module, device: torch.device, *, packed: bool) -> ScoringCosts:
+        """The costs of ``causal_lm`` on ``device`` with the packed (flex) or padded (expand) layout."""
+        if packed:
+            return cls(None)
+        shape = AttentionShape.of_model(causal_lm)
+        return cls(shape, repeats_kv=on_fused_path(device) and shape.kv_heads != shape.heads)
+
+    def prompt_tokens(self, prompt_mask: torch.Tensor) -> int:
+        """Tokens of one prompt of a Phase 1 batch of ``prompt_mask`` (num_prompts, P) bool."""
+        width = prompt_mask.shape[1]
+        if self.shape is None:
+            return width
+        prefix_len = max(width - 1, 0)
+        # An unpadded batch without a window runs causal SDPA without a mask; the mask is counted otherwise.
+        masked = not bool(prompt_mask.all()) or self.shape.windowed(prefix_len)
+        extra = prompt_bytes(self.shape, prefix_len, masked=masked, repeats_kv=self.repeats_kv)
+        return width + self._tokens(extra)
+
+    def row_tokens(self, prompt_mask: torch.Tensor, completion_width: int) -> int:
+        """Tokens of one completion row of width ``completion_width`` over prompts of ``prompt_mask``."""
+        if self.shape is None:
+            return completion_width
+        prefix_len = max(prompt_mask.shape[1] - 1, 0)
+        # Without padding or a window one (1, 1, C, L + C) mask serves every row: not counted per row.
+        masked = not bool(prompt_mask.all()) or self.shape.windowed(prefix_len + completion_width)
+        extra = row_bytes(self.shape, prefix_len, completion_width, masked=masked, repeats_kv=self.repeats_kv)
+        return completion_width + self._tokens(extra)
+
+    def _tokens(self, nbytes: int) -> int:
+        per_token = self.shape.hidden_size * self.shape.itemsize
+        return -(-nbytes // per_token)
+
+
+def plan_prompt_batches(
+    prompt_mask: torch.Tensor, budget: int | None, costs: ScoringCosts | None
+) -> list[torch.Tensor]:
+    """Consecutive prompt indices per Phase 1 scoring batch: each batch's prompts' tokens (``costs``) fit in
+    ``budget``.
 
     Args:
         prompt_mask: (num_prompts, P) bool.
         budget: tokens per scoring batch, or None for a single batch.
+        costs: what a prompt counts (:class:`ScoringCosts`); may be None when ``budget`` is.
     Returns:
         list of (k,) int64 index tensors covering every prompt once, in order.
     """
-    num_prompts, width = prompt_mask.shape
-    per_batch = num_prompts if budget is None else max(1, budget // max(width, 1))
+    num_prompts = prompt_mask.shape[0]
+    per_batch = num_prompts if budget is None else max(1, budget // max(costs.prompt_tokens(prompt_mask), 1))
     return list(torch.arange(num_prompts, device=prompt_mask.device).split(per_batch))
 
 
-def plan_row_batches(completion_mask: torch.Tensor, prefix_cost: int, budget: int | None) -> list[torch.Tensor]:
-    """Row indices per Phase 2 scoring batch: ``rows * (C + prefix_cost)`` fits in ``budget``.
+def plan_row_batches(
+    completion_mask: torch.Tensor, prompt_mask: torch.Tensor, budget: int | None, costs: ScoringCosts | None
+) -> list[torch.Tensor]:
+    """Row indices per Phase 2 scoring batch: the rows' tokens (``costs``) fit in ``budget``.
 
     Args:
         completion_mask: (rows, C) bool.
-        prefix_cost: tokens each row also pays for its prefix (keys gathered per row by ``expand``; 0 for ``flex``).
+        prompt_mask: (num_prompts, P) bool of the prompts the rows continue.
         budget: tokens per scoring batch, or None for a single batch.
+        costs: what a row counts (:class:`ScoringCosts`); may be None when ``budget`` is.
     """
     rows, width = completion_mask.shape
-    per_batch = rows if budget is None else max(1, budget // max(width + prefix_cost, 1))
+    per_batch = rows if budget is None else max(1, budget // max(costs.row_tokens(prompt_mask, width), 1))
     return list(torch.arange(rows, device=completion_mask.device).split(per_batch))

@@ -32,11 +32,7 @@ def capture_attention(query, key, value, context: CaptureContext, window, option
     length = key.shape[2]
     if window_is_moot(window, length) and cached(context, ("unpadded",), lambda: bool(context.key_valid.all())):
         return masked_attention(query, key, value, None, is_causal=True, **options)
-    mask = cached(
-        context,
-        ("prefix", window, query.dtype),
-        lambda: additive_mask(prefix_causal_mask(context, window), query.dtype),
-    )
+    mask = cached(context, ("prefix", window, query.dtype), lambda: prefix_mask(context, window, query.dtype))
     return masked_attention(query, key, value, mask, **options)
 
 
@@ -46,11 +42,7 @@ def shared_attention(module, query, key, value, context: SharedContext, window, 
     if capture is None:
         if window_is_moot(window, key.shape[2]):
             return masked_attention(query, key, value, None, is_causal=True, **options)
-        own = cached(
-            context,
-            ("own-additive", window, query.dtype),
-            lambda: additive_mask(own_causal_mask(context, window), query.dtype),
-        )
+        own = cached(context, ("own", window, query.dtype), lambda: own_mask(context, window, query.dtype))
         return masked_attention(query, key, value, own, **options)
     prefix_key, prefix_value = capture.kv_of(module)
     rows = context.group_index
@@ -111,64 +103,83 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return empty_additive_mask(mask.shape, dtype, mask.device).masked_fill_(~mask, float("-inf"))
 
 
+def prefix_mask(context: CaptureContext, window, dtype: torch.dtype) -> torch.Tensor:
+    """Phase 1's additive mask of ``dtype``, (num_prompts, 1, L, L), rows aligned: causal, no padded keys, keys
+    within the window, and every query sees at least itself (a padded query would otherwise see no key at all and
+    produce NaN that poisons gradients)."""
+    key_valid, positions = context.key_valid, context.positions
+    length = key_valid.shape[1]
+    mask = empty_additive_mask((key_valid.shape[0], 1, length, length), dtype, key_valid.device)
+    mask.masked_fill_(~key_valid[:, None, None, :], float("-inf"))
+    index = torch.arange(length, device=key_valid.device)[None]
+    _block_outside(mask, _window_start(positions, positions, window), index)
+    mask.diagonal(dim1=-2, dim2=-1).fill_(0)
+    return mask
+
+
+def own_mask(context: SharedContext, window, dtype: torch.dtype) -> torch.Tensor:
+    """(1, 1, C, C) additive mask of ``dtype`` of a completion row over its own tokens, rows aligned."""
+    length = context.positions.shape[1]
+    mask = empty_additive_mask((1, 1, length, length), dtype, context.positions.device)
+    _fill_own(mask, window)
+    return mask
+
+
 def shared_mask(context: SharedContext, window, dtype: torch.dtype) -> torch.Tensor:
     """Phase 2's additive mask of ``dtype``, rows aligned: (rows, 1, C, L + C), or (1, 1, C, L + C) expanded over the
     rows when every prefix key is valid and no window hides a key (the mask is then the same for every row).
 
-    Written in place, part by part, so no boolean (rows, 1, C, L + C) temporary exists beside it.
+    Written in place, part by part and query rows by chunks, so no (rows, 1, C, L + C) temporary exists beside it.
     """
     capture = context.capture
     rows = context.group_index
     prefix_len, length = capture.key_valid.shape[1], context.positions.shape[1]
-    device = context.positions.device
     shared_by_rows = window_is_moot(window, prefix_len + length) and bool(capture.key_valid.all())
     batch = 1 if shared_by_rows else rows.numel()
-    mask = empty_additive_mask((batch, 1, length, prefix_len + length), dtype, device)
-    mask[..., prefix_len:].masked_fill_(~own_causal_mask(context, window), float("-inf"))
+    mask = empty_additive_mask((batch, 1, length, prefix_len + length), dtype, context.positions.device)
+    _fill_own(mask[..., prefix_len:], window)
     if shared_by_rows:
         return mask.expand(rows.numel(), -1, -1, -1)
-    mask[..., :prefix_len].masked_fill_(completion_prefix_blocked(context, window), float("-inf"))
+    prefix = mask[..., :prefix_len]
+    prefix.masked_fill_(~capture.key_valid[rows][:, None, None, :], float("-inf"))
+    if window is not None:
+        first = _window_start(context.positions, capture.positions[rows], window)
+        _block_outside(prefix, first, torch.full_like(first[:, :1], prefix_len - 1))
     return mask
 
 
-def _window_ok(query_positions, key_positions, window):
-    # transformers' sliding window keeps key k for query q when q - k < window.
-    return (query_positions - key_positions) < window
+def _fill_own(mask: torch.Tensor, window) -> None:
+    """-inf into (batch, 1, C, C) ``mask`` where a completion token may not see another of its row: later tokens,
+    and tokens ``window`` or more back."""
+    index = torch.arange(mask.shape[-1], device=mask.device)[None]
+    first = torch.zeros_like(index) if window is None else (index - window + 1).clamp(min=0)
+    _block_outside(mask, first, index)
 
 
-def prefix_causal_mask(context: CaptureContext, window) -> torch.Tensor:
-    """(num_prompts, 1, L, L) bool mask of Phase 1: causal, no padded keys, every query sees at least itself."""
-    length = context.key_valid.shape[1]
-    idx = torch.arange(length, device=context.key_valid.device)
-    mask = (idx[None, :, None] >= idx[None, None, :]) & context.key_valid[:, None, :]
-    if window is not None:
-        pos = context.positions
-        mask = mask & _window_ok(pos[:, :, None], pos[:, None, :], window)
-    # Padded queries would otherwise see no key at all and produce NaN that poisons gradients.
-    mask = mask | torch.eye(length, dtype=torch.bool, device=mask.device)
-    return mask[:, None]
+def _window_start(query_positions, key_positions, window) -> torch.Tensor:
+    """(n, Q) int64: the index of the first key each query may see under a sliding ``window`` (transformers keeps
+    key k for query q when q - k < window), or zeros (1, Q) without a window. ``key_positions`` (n, K) must be
+    non-decreasing along each row (left padding repeats position 0), so the keys a window hides come first."""
+    if window is None:
+        return torch.zeros_like(query_positions[:1])
+    return torch.searchsorted(key_positions.contiguous(), (query_positions - window).contiguous(), right=True)
 
 
-def own_causal_mask(context: SharedContext, window) -> torch.Tensor:
-    """(1, 1, C, C) bool mask of a completion row over its own tokens."""
-    length = context.positions.shape[1]
-    idx = torch.arange(length, device=context.positions.device)
-    mask = idx[:, None] >= idx[None, :]
-    if window is not None:
-        mask = mask & _window_ok(idx[:, None], idx[None, :], window)
-    return mask[None, None]
+#: Most elements of each boolean temporary a mask is filled with: query rows are filled in chunks of this size.
+_FILL_CHUNK_ELEMENTS = 2**26
 
 
-def completion_prefix_blocked(context: SharedContext, window) -> torch.Tensor:
-    """Bool, True where a completion query may NOT see a prefix key: (rows, 1, 1, L) (padded keys) without a
-    window, (rows, 1, C, L) with one."""
-    capture = context.capture
-    rows = context.group_index
-    blocked = ~capture.key_valid[rows][:, None, None, :]
-    if window is not None:
-        outside = ~_window_ok(context.positions[:, :, None], capture.positions[rows][:, None, :], window)
-        blocked = blocked | outside[:, None]
-    return blocked
+def _block_outside(mask: torch.Tensor, first: torch.Tensor, last: torch.Tensor) -> None:
+    """-inf into ``mask`` (n, 1, Q, K) wherever key index j < first[., q] or j > last[., q]; ``first`` and ``last``
+    (n or 1, Q or 1) int64. Query rows go in chunks, so the boolean temporaries stay under
+    :data:`_FILL_CHUNK_ELEMENTS` elements."""
+    batch, _, queries, keys = mask.shape
+    index = torch.arange(keys, device=mask.device)
+    step = max(1, _FILL_CHUNK_ELEMENTS // max(batch * keys, 1))
+    for start in range(0, queries, step):
+        lo = first[:, start : start + step, None] if first.shape[1] > 1 else first[:, :, None]
+        hi = last[:, start : start + step, None] if last.shape[1] > 1 else last[:, :, None]
+        mask[:, 0, start : start + step].masked_fill_((index < lo) | (index > hi), float("-inf"))
 
 
 def masked_attention(

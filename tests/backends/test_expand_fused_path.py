@@ -14,6 +14,7 @@ from support.tiny_models import build_model, make_batch
 from shared_prefix_logps import chunked_backward, compute_logps
 from shared_prefix_logps.backends import expand, sdpa_kernels
 from shared_prefix_logps.bench.memory import LiveTensorBytes
+from shared_prefix_logps.forward.context import CaptureContext, SharedContext
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -169,3 +170,53 @@ def test_fused_path_keeps_no_prefix_copy_per_row_for_backward(monkeypatch):
     # layer: what the default path keeps for backward and the fused path does not.
     copies = layers * 2 * num_prompts * 16 * kv_heads * (prompt_len - 1 + completion_len) * head_dim * 4
     assert fused <= default - 0.85 * copies, (default, fused, copies)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_masks_are_written_in_place_and_follow_the_rule(window, monkeypatch):
+    """Phase 2's (rows, 1, C, L + C) and Phase 1's (prompts, 1, L, L) additive masks are written in place, query rows
+    in chunks: the peak while building one is its own storage plus small per-row index tensors, not boolean
+    temporaries of its full size (nor int64 position differences, 4x a bfloat16 mask). And each is the boolean rule:
+    causal, no padded key, keys within the window; a padded prompt query sees itself."""
+    monkeypatch.setattr(expand, "_FILL_CHUNK_ELEMENTS", 1024)
+    num_prompts, generations, prefix_len, length = 2, 16, 47, 16
+    key_valid = torch.arange(prefix_len)[None, :] >= torch.tensor([[0], [5]])  # the second prompt left-padded
+    positions = (key_valid.long().cumsum(1) - 1).clamp(min=0)
+    capture = CaptureContext(key_valid=key_valid, positions=positions, needs_grad=False)
+    rows = torch.arange(num_prompts).repeat_interleave(generations)
+    context = SharedContext(
+        capture=capture,
+        group_index=rows,
+        positions=key_valid.sum(1)[rows][:, None] + torch.arange(length)[None, :],
+        query_valid=torch.ones(rows.numel(), length, dtype=torch.bool),
+        head_targets=torch.zeros(0, dtype=torch.long),
+        temperature=1.0,
+        return_entropy=False,
+        needs_grad=False,
+        head_spec=None,
+    )
+    tracker = LiveTensorBytes()
+    with tracker:
+        mask = expand.shared_mask(context, window, torch.float32)
+    storage = mask.untyped_storage().nbytes()
+    assert storage == rows.numel() * length * 64 * 4  # L + C = 63 keys, rows of 64 elements
+    index_bytes = 8 * rows.numel() * (prefix_len + 2 * length)  # gathered key positions, window starts
+    assert tracker.peak <= storage + index_bytes + 4096, (tracker.peak, storage)
+
+    def allowed_by_rule(query_pos, key_pos, valid, causal):
+        allowed = valid[:, None, :] & (True if window is None else query_pos[:, :, None] - key_pos[:, None, :] < window)
+        return allowed & causal if causal is not None else allowed
+
+    own = torch.arange(length)[:, None] - torch.arange(length)[None, :]
+    own_allowed = (own >= 0) & (True if window is None else own < window)
+    prefix_allowed = allowed_by_rule(context.positions, positions[rows], key_valid[rows], None).expand(-1, length, -1)
+    expected = torch.cat([prefix_allowed, own_allowed.expand(rows.numel(), -1, -1)], dim=-1)[:, None]
+    assert torch.equal(mask == 0, expected) and torch.equal(mask == float("-inf"), ~expected)
+
+    tracker = LiveTensorBytes()
+    with tracker:
+        phase1 = expand.prefix_mask(capture, window, torch.float32)
+    assert tracker.peak <= phase1.untyped_storage().nbytes() + 8 * num_prompts * 2 * prefix_len + 4096
+    causal = torch.arange(prefix_len)[:, None] >= torch.arange(prefix_len)[None, :]
+    expected = allowed_by_rule(positions, positions, key_valid, causal) | torch.eye(prefix_len, dtype=torch.bool)
+    assert torch.equal(phase1 == 0, expected[:, None]) and torch.equal(phase1 == float("-inf"), ~expected[:, None])

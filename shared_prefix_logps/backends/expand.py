@@ -11,9 +11,17 @@ copy it in every layer (and save the copy for backward).
 On CUDA (the fused-kernel path) the SDPA kernel is chosen per call signature by asking torch which kernels accept
 the call, in torch's own priority order, cuDNN included (``sdpa_kernels``); KV heads are repeated only when the
 chosen kernel rejects grouped heads; with gradients the per-row gather is recomputed in backward instead of saved;
-softcap/sinks models, whose scores are computed explicitly, are refused above a memory budget. The memory terms
-(mask, gathered and repeated K/V, explicit scores) are listed in ``expand_memory``; no-grad scoring batches are sized
-by them (``token_budget``).
+softcap/sinks models, whose scores are computed explicitly, are refused above a memory budget.
+
+Memory beyond the model's own activations (L = P - 1 prefix keys, C completion tokens, h query and g KV heads of
+size d, s bytes per element; formulas and figures in ``expand_memory``, no-grad scoring batches sized by them in
+``token_budget``):
+
+- masks: Phase 1 L x pad16(L) x s per padded prompt (none unpadded); Phase 2 C x pad16(L + C) x s per row, quadratic
+  and G-fold (2.1 GiB per prompt at P = 16k, G = 64, C = 1k, bf16), or once for all rows (unpadded, no window);
+- gathered K/V: 2 x g x (L + C) x d x s per row per layer (recomputed in backward, not saved, on CUDA);
+- repeated K/V: 2 x h x (L + C) x d x s per row, only for a kernel that rejects grouped heads;
+- explicit scores (softcap, sinks): h x C x (L + C) x (4 + 2s) per row, h x L x L x (4 + 2s) per prompt.
 """
 
 from __future__ import annotations

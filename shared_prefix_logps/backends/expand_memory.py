@@ -1,7 +1,8 @@
 """The memory the expand backend's attention takes beyond the model's own activations, term by term.
 
 With L = P - 1 prefix keys (Phase 1 forwards ``prompt[:, :-1]``), C completion tokens per row, h query heads,
-g KV heads, d head size, s bytes per element of the model's dtype and ``pad16(n)`` = n rounded up to a multiple of 16:
+g KV heads, d head size (2d: key plus value head size where they differ, as under multi-head latent attention),
+s bytes per element of the model's dtype and ``pad16(n)`` = n rounded up to a multiple of 16:
 
 Phase 1, per prompt (one layer at a time; with gradients the mask is shared by all layers and each layer's saved
 tensors add up):
@@ -49,7 +50,8 @@ class AttentionShape:
     """What the memory terms of a model depend on.
 
     Attributes:
-        hidden_size, heads, kv_heads, head_dim: from the model's config.
+        hidden_size, heads, kv_heads: from the model's config.
+        head_dim, v_head_dim: sizes of a key and of a value head (they differ under multi-head latent attention).
         itemsize: bytes per element of the model's parameters (its activations' dtype).
         explicit_scores: whether its attention computes scores explicitly (attention softcap or sinks).
         sliding_window: the config's sliding window (None: none), which makes a mask necessary when it is shorter
@@ -60,6 +62,7 @@ class AttentionShape:
     heads: int
     kv_heads: int
     head_dim: int
+    v_head_dim: int
     itemsize: int
     explicit_scores: bool
     sliding_window: int | None = None
@@ -72,12 +75,16 @@ class AttentionShape:
             config = config.get_text_config()
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        v_head_dim = getattr(config, "v_head_dim", None) or head_dim
+        if getattr(config, "qk_nope_head_dim", None) is not None:  # multi-head latent attention (DeepSeek)
+            head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
         explicit = getattr(config, "attn_logit_softcapping", None) is not None or config.model_type == "gpt_oss"
         return cls(
             hidden_size=config.hidden_size,
             heads=heads,
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
+            v_head_dim=v_head_dim,
             itemsize=causal_lm.get_input_embeddings().weight.dtype.itemsize,
             explicit_scores=explicit,
             sliding_window=getattr(config, "sliding_window", None),
@@ -93,7 +100,7 @@ def prompt_bytes(shape: AttentionShape, prefix_len: int, *, masked: bool, repeat
     s = shape.itemsize
     total = prefix_len * padded_width(prefix_len) * s if masked else 0
     if repeats_kv:
-        total += 2 * shape.heads * prefix_len * shape.head_dim * s
+        total += shape.heads * prefix_len * (shape.head_dim + shape.v_head_dim) * s
     if shape.explicit_scores:
         total += scores_bytes(shape.heads, prefix_len, prefix_len, s)
     return total
@@ -103,9 +110,9 @@ def row_bytes(shape: AttentionShape, prefix_len: int, completion_len: int, *, ma
     """Bytes one completion row adds to a Phase 2 layer beyond its hidden states (see the module docstring)."""
     s, keys = shape.itemsize, prefix_len + completion_len
     total = completion_len * padded_width(keys) * s if masked else 0
-    total += 2 * shape.kv_heads * keys * shape.head_dim * s
+    total += shape.kv_heads * keys * (shape.head_dim + shape.v_head_dim) * s
     if repeats_kv:
-        total += 2 * shape.heads * keys * shape.head_dim * s
+        total += shape.heads * keys * (shape.head_dim + shape.v_head_dim) * s
     if shape.explicit_scores:
         total += scores_bytes(shape.heads, completion_len, keys, s)
     return total

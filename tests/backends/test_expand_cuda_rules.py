@@ -219,6 +219,18 @@ def test_sm90_runs_every_call_on_cudnn_and_keeps_torchs_order(fake_cuda, monkeyp
     assert enabled_kernels() == flags
 
 
+def test_torchs_first_call_order_survives_when_the_first_call_is_the_librarys(fake_cuda, monkeypatch):
+    # Eager attention: no SDPA call of the model's own comes first (the head check's plain forward is eager).
+    fake = fake_cuda(**TORCH_2_13_SM90)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", fake)
+    model = build_model("llama")
+    model.set_attn_implementation("eager")
+    prompts, pmask, comps, cmask = make_batch(2, 2, 9, 5)
+    compute_logps(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, backend="expand")
+    order = [_NAMES[int(c)] for c in torch._C._get_sdp_priority_order()]
+    assert order[:4] == list(TORCH_2_13_SM90["first_call_order"]), order
+
+
 def test_torch_2_11_repeats_heads_only_for_the_kernel_that_needs_it(fake_cuda, monkeypatch):
     fake = fake_cuda(**TORCH_2_11_SM80)
     initial = list(torch._C._get_sdp_priority_order())

@@ -252,8 +252,8 @@ def linear_logps(
         chunk_size: rows per chunk; None picks it so one chunk's float32 logits take about 256 MiB on CPU, an
             eighth of the memory available to an allocation on CUDA (see :func:`default_chunk_size`).
         ignore_index: target value of rows to skip.
-        implementation: per-chunk statistics by ``"triton"`` kernels, ``"torch"``, or ``"auto"`` (Triton on CUDA,
-            or on CPU under ``TRITON_INTERPRET=1``).
+        implementation: per-chunk statistics by ``"triton"`` kernels, ``"torch"``, or ``"auto"`` (Triton on CUDA
+            where its kernels can launch, see ``launch_probe``, or on CPU under ``TRITON_INTERPRET=1``).
         backend: deprecated name of ``implementation``.
     Returns:
         float32 log-probs shaped like ``targets`` (always <= 0), or ``(logps, entropy)`` when ``return_entropy``.

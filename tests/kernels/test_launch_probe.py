@@ -204,3 +204,12 @@ def test_probe_module_imports_without_triton(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "Triton is not importable"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_trial_launch_on_cuda(fresh_probe):
+    """On the GPU machine: the trial kernel compiles and launches, and the probe's verdict matches it."""
+    launch_probe.trial_launch(torch.device("cuda"))
+    status = launch_probe.cuda_launch_status(torch.device("cuda"))
+    assert status.ok, status.reason

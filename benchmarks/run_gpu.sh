@@ -63,11 +63,16 @@ step_env() {
 import os, platform, torch, transformers
 print("gpu:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none")
 print("python:", platform.python_version(), "torch:", torch.__version__, "transformers:", transformers.__version__)
-for name in ("triton", "trl", "peft", "liger_kernel", "prefix_grouper", "cut_cross_entropy"):
+for name in ("triton", "trl", "peft", "liger_kernel", "prefix_grouper", "cut_cross_entropy", "pytest", "hypothesis"):
     try:
         print(f"{name}:", getattr(__import__(name), "__version__", "installed"))
     except Exception:
         print(f"{name}: not installed")
+if torch.cuda.is_available():  # whether the fused head will use the Triton kernels (a C compiler, or a trial launch)
+    from shared_prefix_logps.kernels import launch_probe
+
+    status = launch_probe.cuda_launch_status(torch.device("cuda"))
+    print("triton kernels:", "launch" if status.ok else "do not launch", f"({status.reason})")
 print("commit:", os.environ.get("GIT_COMMIT", "unknown"))
 PYEOF
     cat "$OUT/env.txt"
@@ -83,7 +88,8 @@ step_tests() {  # $1: log name; the rest: pytest selection
     local name=$1
     shift
     echo "== GPU tests ($name)"
-    [ $deps_checked -eq 1 ] || step_deps || return 1
+    [ $deps_checked -eq 1 ] || step_deps
+    $PY -c "import pytest" 2>/dev/null || { echo "pytest is missing: $name not run" >&2; return 1; }
     bounded $PY -m pytest -m gpu -q -ra -p no:cacheprovider "$@" 2>&1 | tee "$OUT/$name.log"
 }
 

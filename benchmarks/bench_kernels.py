@@ -31,7 +31,9 @@ def _parse_args(argv=None):
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--chunk-size", type=int, default=None, help="head rows per chunk (default: memory budget)")
+    p.add_argument(
+        "--chunk-size", type=int, default=None, help="head rows per chunk (default: what linear_logps picks on CUDA)"
+    )
     p.add_argument("--only", choices=["kernel", "head", "all"], default="all")
     return p.parse_args(argv)
 
@@ -152,15 +154,31 @@ def _torch_chunked_head(hidden, weight, targets, chunk):
     return torch.cat(outs)
 
 
+def head_chunk_rows(n: int, vocab: int, device: torch.device, requested: int | None = None) -> tuple[int, str]:
+    """(rows per chunk of the fused head, how they were chosen): ``--chunk-size`` if given, else the size
+    ``linear_logps`` itself picks for ``n`` rows on ``device`` (on CUDA from the memory available now, so call it
+    with the inputs allocated)."""
+    from shared_prefix_logps.kernels.fused_head import cuda_available_bytes, default_chunk_size
+
+    if requested:
+        return requested, "--chunk-size"
+    rows = default_chunk_size(n, vocab, device=device)
+    if device.type != "cuda":
+        return rows, f"default on {device.type}"
+    available = cuda_available_bytes(device)
+    return rows, f"default on cuda: an eighth of {available / 2**30:.1f} GiB available, within [0.5, 8] GiB"
+
+
 def bench_head(args, dtype) -> None:
-    from shared_prefix_logps.kernels.fused_head import default_chunk_size, linear_logps
+    from shared_prefix_logps.kernels.fused_head import linear_logps
 
     n, v, h = args.n, args.vocab, args.hidden
-    chunk = args.chunk_size or default_chunk_size(n, v)
-    print(f"\nlinear_logps: hidden ({n}, {h}), weight ({v}, {h}) {dtype}, chunk {chunk} rows")
     hidden = (torch.randn(n, h, device="cuda") / h**0.5).to(dtype).requires_grad_()
     weight = torch.randn(v, h, device="cuda").to(dtype).requires_grad_()
     targets = torch.randint(0, v, (n,), device="cuda")
+    # The size linear_logps picks by itself in a training step, the inputs already allocated (not the CPU budget).
+    chunk, chosen = head_chunk_rows(n, v, hidden.device, args.chunk_size)
+    print(f"\nlinear_logps: hidden ({n}, {h}), weight ({v}, {h}) {dtype}, chunk {chunk} rows ({chosen})")
     fwd_flops, fwdbwd_flops = 2 * n * h * v, 6 * n * h * v
 
     def fwd(fn):

@@ -71,8 +71,8 @@ def logsoftmax_gather(
         return_entropy: also return the entropy ``-sum p log p`` of the tempered distribution.
         inplace_backward: let backward write d logits over the logits buffer (saves a (N, V) allocation); only
             safe when nothing else needs those logits after this call, and backward runs once (no retain_graph).
-        implementation: ``"auto"`` (Triton on CUDA, or on CPU under ``TRITON_INTERPRET=1``; torch otherwise),
-            ``"triton"`` or ``"torch"``.
+        implementation: ``"auto"`` (Triton on CUDA where its kernels can launch, see ``launch_probe``, or on CPU
+            under ``TRITON_INTERPRET=1``; torch otherwise), ``"triton"`` or ``"torch"``.
         backend: deprecated name of ``implementation``.
     Returns:
         float32 log-probs shaped like ``targets``, never > 0; or ``(logps, entropy)`` when ``return_entropy``.

@@ -27,13 +27,24 @@ _NO_IGNORE = -(2**63)
 # Float32 logits held per chunk when chunk_size is None, on CPU. Backward holds about two such buffers at once.
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 
-# On a GPU the budget comes from free memory: this share of it, within these bounds. A small chunk makes each
-# chunk's d_weight matmul (inner dimension = rows) memory-bound on the float32 (V, H) accumulator; thousands of rows
-# keep it compute-bound.
-GPU_CHUNK_SHARE_OF_FREE = 1 / 8
+# On a GPU the budget is this share of the memory a new allocation can take (the driver's free memory plus what
+# torch's caching allocator holds reserved but unused), within these bounds. cudaMemGetInfo alone counts the
+# allocator's reserve as used: after a first training step has grown the reserve, free memory is a fraction of what
+# is available and the chunks would shrink to the floor for every later step. A small chunk makes each chunk's
+# d_weight matmul (inner dimension = rows) memory-bound on the float32 (V, H) accumulator; thousands of rows keep it
+# compute-bound.
+GPU_CHUNK_SHARE_OF_AVAILABLE = 1 / 8
 GPU_CHUNK_BYTES_BOUNDS = (512 * 2**20, 8 * 2**30)
 # Rows per chunk are a multiple of this on GPUs (matmul tile size).
 GPU_ROW_MULTIPLE = 128
+
+
+def cuda_available_bytes(device: torch.device) -> int:
+    """Bytes a new allocation on CUDA ``device`` can take: free device memory plus the caching allocator's
+    reserved-but-unallocated bytes (the same after a step as before it, unlike free memory alone)."""
+    free, _total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free + max(cached, 0)
 
 
 def default_chunk_size(
@@ -42,22 +53,22 @@ def default_chunk_size(
     budget_bytes: int | None = None,
     *,
     device: torch.device | None = None,
-    free_bytes: int | None = None,
+    available_bytes: int | None = None,
 ) -> int:
     """Rows per chunk so that one chunk's float32 logits fit in the budget (at least 1 row).
 
-    Without ``budget_bytes``: ``DEFAULT_CHUNK_BYTES`` on CPU; on CUDA an eighth of the device's free memory
-    (``free_bytes``, read from the device when None) bounded to [512 MiB, 8 GiB], and rows rounded down to a multiple
-    of 128 when there are at least 128.
+    Without ``budget_bytes``: ``DEFAULT_CHUNK_BYTES`` on CPU; on CUDA an eighth of the memory available to a new
+    allocation (``available_bytes``, else :func:`cuda_available_bytes` of ``device``) bounded to [512 MiB, 8 GiB],
+    and rows rounded down to a multiple of 128 when there are at least 128.
     """
     cuda = device is not None and torch.device(device).type == "cuda"
     if budget_bytes is None:
         budget_bytes = DEFAULT_CHUNK_BYTES
         if cuda:
-            if free_bytes is None:
-                free_bytes = torch.cuda.mem_get_info(device)[0]
+            if available_bytes is None:
+                available_bytes = cuda_available_bytes(device)
             low, high = GPU_CHUNK_BYTES_BOUNDS
-            budget_bytes = int(min(max(free_bytes * GPU_CHUNK_SHARE_OF_FREE, low), high))
+            budget_bytes = int(min(max(available_bytes * GPU_CHUNK_SHARE_OF_AVAILABLE, low), high))
     rows = max(1, min(max(num_rows, 1), budget_bytes // (4 * max(vocab_size, 1))))
     if cuda and rows >= GPU_ROW_MULTIPLE and rows < num_rows:
         rows -= rows % GPU_ROW_MULTIPLE
@@ -99,16 +110,20 @@ _FP32_OUT_ADDMM_OK: dict[tuple[str, torch.dtype], bool] = {}
 
 
 def _fp32_out_addmm_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    """Probe (once) that half-precision addmm can write a float32 accumulator directly (CUDA only in torch 2.13)."""
+    """Probe (once) that half-precision addmm can write a float32 accumulator directly (CUDA only in torch 2.13).
+
+    The probe's operands are small integers (exact in half precision, and so is every product and sum), so the
+    result is compared exactly, and no random numbers are drawn: the caller's RNG streams stay as they were.
+    """
     key = (device.type, dtype)
     if key not in _FP32_OUT_ADDMM_OK:
         try:
-            a = torch.randn(8, 16, device=device).to(dtype)
-            b = torch.randn(16, 8, device=device).to(dtype)
-            acc = torch.randn(8, 8, device=device)
+            a = (torch.arange(8 * 16, device=device) % 7 - 3).reshape(8, 16).to(dtype)
+            b = (torch.arange(16 * 8, device=device) % 5 - 2).reshape(16, 8).to(dtype)
+            acc = (torch.arange(8 * 8, device=device) % 3).reshape(8, 8).float()
             expected = acc + a.float() @ b.float()
             torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-            _FP32_OUT_ADDMM_OK[key] = bool(torch.allclose(acc, expected, rtol=1e-3, atol=1e-3))
+            _FP32_OUT_ADDMM_OK[key] = bool(torch.equal(acc, expected))
         except (RuntimeError, TypeError, NotImplementedError):
             _FP32_OUT_ADDMM_OK[key] = False
     return _FP32_OUT_ADDMM_OK[key]
@@ -234,10 +249,11 @@ def linear_logps(
         temperature: the tempered distribution is ``softmax(logits / temperature)``.
         softcap: if set, ``logits = softcap * tanh(logits / softcap)`` before the temperature (Gemma-2 style).
         return_entropy: also return ``-sum p log p`` of the tempered distribution.
-        chunk_size: rows per chunk; None picks it so one chunk's float32 logits take about 256 MiB.
+        chunk_size: rows per chunk; None picks it so one chunk's float32 logits take about 256 MiB on CPU, an
+            eighth of the memory available to an allocation on CUDA (see :func:`default_chunk_size`).
         ignore_index: target value of rows to skip.
-        implementation: per-chunk statistics by ``"triton"`` kernels, ``"torch"``, or ``"auto"`` (Triton on CUDA,
-            or on CPU under ``TRITON_INTERPRET=1``).
+        implementation: per-chunk statistics by ``"triton"`` kernels, ``"torch"``, or ``"auto"`` (Triton on CUDA
+            where its kernels can launch, see ``launch_probe``, or on CPU under ``TRITON_INTERPRET=1``).
         backend: deprecated name of ``implementation``.
     Returns:
         float32 log-probs shaped like ``targets`` (always <= 0), or ``(logps, entropy)`` when ``return_entropy``.

@@ -10,7 +10,8 @@ import warnings
 
 import torch
 
-from ._triton_utils import triton_can_run
+from . import launch_probe
+from ._triton_utils import interpret_enabled, triton_can_run
 from .torch_logsoftmax_gather import logsoftmax_gather_backward_torch, logsoftmax_gather_forward_torch
 
 try:
@@ -22,18 +23,35 @@ IMPLEMENTATIONS = ("auto", "triton", "torch")
 
 
 def resolve_implementation(implementation: str, *tensors: torch.Tensor) -> str:
-    """Map ``"auto" | "triton" | "torch"`` to the implementation that will run; ``"triton"`` raises if it cannot."""
+    """Map ``"auto" | "triton" | "torch"`` to the implementation that will run; ``"triton"`` raises if it cannot.
+
+    ``"auto"`` is Triton on CUDA tensors once :mod:`.launch_probe` found that compiled kernels launch in this process
+    (else torch, with one warning), Triton on any tensors under ``TRITON_INTERPRET=1``, torch otherwise.
+    """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    can_triton = _triton_impl is not None and triton_can_run(*tensors)
-    if implementation == "auto":
-        return "triton" if can_triton else "torch"
-    if implementation == "triton" and not can_triton:
-        raise RuntimeError(
-            "implementation='triton' needs an importable Triton and CUDA tensors "
-            "(or TRITON_INTERPRET=1 for CPU tensors)"
-        )
-    return implementation
+    if implementation == "torch":
+        return "torch"
+    reason = _why_not_triton(tensors)
+    if reason is None:
+        return "triton"
+    if implementation == "triton":
+        raise RuntimeError(f"implementation='triton' cannot run: {reason}; pass implementation='torch' or 'auto'")
+    if isinstance(reason, launch_probe.LaunchStatus):
+        launch_probe.warn_fallback_once(reason)
+    return "torch"
+
+
+def _why_not_triton(tensors) -> str | launch_probe.LaunchStatus | None:
+    """None when the Triton kernels can process ``tensors``; else why not (the probe's status for CUDA tensors)."""
+    if _triton_impl is None:
+        return "Triton is not importable"
+    if not triton_can_run(*tensors):
+        return "it needs CUDA tensors (or TRITON_INTERPRET=1 for CPU tensors)"
+    if interpret_enabled():
+        return None
+    status = launch_probe.cuda_launch_status(tensors[0].device)
+    return None if status.ok else status
 
 
 def stats_forward(logits, targets, inv_temperature, ignore_index, return_entropy, implementation="auto"):

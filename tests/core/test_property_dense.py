@@ -15,13 +15,17 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, given, settings
-from hypothesis import strategies as st
 from support.exactness import max_relative_grad_error, parameter_grads
 from support.tiny_models import VOCAB, build_model
 
 from shared_prefix_logps import LogpsOutput, chunked_backward, compute_logps, compute_logps_concatenated
 from shared_prefix_logps.forward import head_proxy
+
+# Optional (a dev extra): without it this module is reported skipped instead of failing collection, which would stop
+# every other test of the run (the GPU script runs on bare images).
+hypothesis = pytest.importorskip("hypothesis", reason="needs hypothesis (pip install hypothesis)")
+st = pytest.importorskip("hypothesis.strategies")
+HealthCheck, event, given, settings = hypothesis.HealthCheck, hypothesis.event, hypothesis.given, hypothesis.settings
 
 # Eager flex_attention on CPU warns that it is unfused; that is expected here.
 pytestmark = [

@@ -338,19 +338,42 @@ def test_default_chunk_size_follows_the_memory_budget():
     assert default_chunk_size(5, 1000) == 5
 
 
-def test_default_chunk_size_on_gpus_comes_from_free_memory():
+def test_default_chunk_size_on_gpus_comes_from_available_memory():
     cuda = torch.device("cuda", 0)
     gib = 2**30
-    # An eighth of 80 GiB free = 10 GiB, capped at 8 GiB: 14,128 rows at V=151936, rounded down to 14,080 (x128).
-    rows = default_chunk_size(10**6, 151936, device=cuda, free_bytes=80 * gib)
+    # An eighth of 80 GiB available = 10 GiB, capped at 8 GiB: 14,128 rows at V=151936, rounded down to 14,080 (x128).
+    rows = default_chunk_size(10**6, 151936, device=cuda, available_bytes=80 * gib)
     assert rows == (8 * gib // (4 * 151936)) // 128 * 128 == 14080
-    # Little free memory: the 512 MiB floor, still a multiple of 128.
-    assert default_chunk_size(10**6, 151936, device=cuda, free_bytes=gib) == 768
+    # Little available memory: the 512 MiB floor, still a multiple of 128.
+    assert default_chunk_size(10**6, 151936, device=cuda, available_bytes=gib) == 768
     # Fewer rows than a chunk: all of them, not rounded.
-    assert default_chunk_size(1000, 151936, device=cuda, free_bytes=80 * gib) == 1000
+    assert default_chunk_size(1000, 151936, device=cuda, available_bytes=80 * gib) == 1000
     # An explicit budget wins; CPU keeps its fixed budget.
-    assert default_chunk_size(10**6, 1000, 4 * 1000 * 300, device=cuda, free_bytes=80 * gib) == 256
+    assert default_chunk_size(10**6, 1000, 4 * 1000 * 300, device=cuda, available_bytes=80 * gib) == 256
     assert default_chunk_size(10**6, 151936, device=torch.device("cpu")) == (256 * 2**20) // (4 * 151936)
+
+
+def _simulated_cuda_device(monkeypatch, *, free, reserved, allocated):
+    """torch.cuda's memory queries answering for an 80 GiB device in the given state (bytes)."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * 2**30))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated)
+
+
+def test_gpu_chunk_is_thousands_of_rows_and_the_same_after_a_first_step(monkeypatch):
+    """cudaMemGetInfo counts the caching allocator's reserve as used. On an 80 GiB device with 10 GiB live, a first
+    step sees 66 GiB free and 2 GiB cached; once that step has grown the reserve to 70 GiB, only 8 GiB are free but
+    62 GiB are cached: the same 68 GiB are available to the head's chunk in both steps."""
+    gib, vocab, cuda = 2**30, 151936, torch.device("cuda", 0)
+    _simulated_cuda_device(monkeypatch, free=66 * gib, reserved=12 * gib, allocated=10 * gib)
+    first_step = default_chunk_size(10**6, vocab, device=cuda)
+    _simulated_cuda_device(monkeypatch, free=8 * gib, reserved=70 * gib, allocated=10 * gib)
+    later_steps = default_chunk_size(10**6, vocab, device=cuda)
+    assert first_step == later_steps == 14080  # 68 GiB / 8 = 8.5 GiB, capped at 8 GiB
+    # Most of the device reserved but free: still thousands of rows, a multiple of 128.
+    _simulated_cuda_device(monkeypatch, free=1 * gib, reserved=75 * gib, allocated=45 * gib)
+    rows = default_chunk_size(10**6, vocab, device=cuda)
+    assert rows >= 4096 and rows % 128 == 0, rows
 
 
 def test_rejects_bad_arguments():

@@ -15,8 +15,9 @@ length ``P`` (Phase 1 forwards ``P - 1`` tokens per prompt), ``rows = prompts * 
   (``chunked_backward`` also holds their gradients).
 - ``expand`` masks: additive, in ``b``, allocated with the key dimension rounded up to a multiple of 16 (so SDPA's
   kernels take them without a per-layer copy): Phase 1 ``prompts * (P-1) * align16(P-1) * b``, Phase 2
-  ``rows * C * align16(P-1+C) * b``, built from boolean temporaries (three of ``prompts * (P-1)^2`` bytes, two of
-  ``rows * C * (P-1+C)`` bytes).
+  ``rows * C * align16(P-1+C) * b``, written in place from each query's first and last allowed key (two int64 per
+  query as temporaries). Unpadded prompts without a window (``padded_prompts=False``) run Phase 1 causally without
+  a mask, and Phase 2's mask is one row's ``C * align16(P-1+C) * b`` broadcast over the rows.
 - ``expand`` gathered keys/values: a transient per layer of ``rows * nkv * (P-1+C) * hd * 2 * b``, plus the same over
   ``nh`` heads when grouped-query heads are repeated for the kernel (``gqa_repeat``); backward recomputes them one
   layer at a time and holds their gradients too (twice the forward transient).
@@ -98,6 +99,7 @@ def predicted_peak_bytes(
     generations_per_chunk: int | None = None,
     gqa_repeat: bool = True,
     head_stats_bytes: int = 0,
+    padded_prompts: bool = True,
 ) -> dict[str, int]:
     """The terms of the predicted peak and their ``"peak"``, in bytes.
 
@@ -107,6 +109,7 @@ def predicted_peak_bytes(
         head_rows: rows per chunk of the fused head (``default_chunk_size`` of the rows it scores at once).
         gqa_repeat: whether expand repeats grouped-query key/value heads for its attention kernel.
         head_stats_bytes: float32 temporary bytes per logit of the head's statistics (0 for Triton, 8 for torch).
+        padded_prompts: whether any prompt is left-padded (expand then needs a Phase 1 mask and a mask per row).
     """
     if backend not in ("expand", "flex") or mode not in ("score", "train", "chunked"):
         raise ValueError(f"unknown backend/mode {backend!r}/{mode!r}")
@@ -132,10 +135,11 @@ def predicted_peak_bytes(
     if grad:
         transients["head"] += s.vocab * s.hidden * (4 + b) + tokens2 * s.hidden * b
     if backend == "expand":
-        persistent["phase1_mask"] = prompts * prefix * align16(prefix) * b
-        persistent["phase2_mask"] = rows * completion_len * align16(keys) * b
-        transients["phase1_mask_build"] = 3 * prompts * prefix * prefix
-        transients["phase2_mask_build"] = 2 * rows * completion_len * keys
+        mask_rows = rows if padded_prompts else 1
+        persistent["phase1_mask"] = prompts * prefix * align16(prefix) * b if padded_prompts else 0
+        persistent["phase2_mask"] = mask_rows * completion_len * align16(keys) * b
+        transients["phase1_mask_build"] = 2 * 8 * prompts * prefix if padded_prompts else 0
+        transients["phase2_mask_build"] = 2 * 8 * mask_rows * completion_len
         gathered = rows * keys * kv_bytes * (1 + (s.heads // s.kv_heads if gqa_repeat else 0))
         if grad:
             transients["gathered_kv"] = 2 * gathered

@@ -11,7 +11,8 @@ Lengths are rounded up to a multiple of :data:`LENGTH_BUCKET` inside the attenti
 nothing and are dropped). On CUDA flex_attention is compiled once per model configuration and grad mode, with
 dynamic lengths: new shapes, either phase and sliding windows (None or int) reuse the graph. Should torch's recompile
 limit be hit anyway, :class:`FlexRecompileError` is raised instead of torch's silent fallback to uncompiled
-flex_attention (which materializes every score). flex_attention's backward exists on CUDA only; on CPU this backend is
+flex_attention (which materializes every score). Head dimensions below the kernel's minimum (16 on CUDA) are
+zero-padded, which changes no result. flex_attention's backward exists on CUDA only; on CPU this backend is
 forward-only and runs uncompiled.
 
 Head dimensions 192 and 256 on CUDA (torch/_inductor/template_heuristics/triton.py, torch 2.13): without
@@ -45,6 +46,11 @@ NO_WINDOW = 2**62
 #: it eagerly (inductor's CPU flex kernel needs a C++ toolchain and gains little at CPU sizes); tests select
 #: "aot_eager" (or a backend that counts its graphs) here to run the compiled path on CPU.
 _COMPILE_BACKENDS: dict[str, object] = {"cuda": "inductor", "cpu": None}
+
+#: The smallest head dimension flex_attention's kernel takes per device type: inductor's CUDA lowering refuses
+#: query/key or value head dimensions below 16 (``tl.dot`` needs K >= 16; "NYI: embedding dimension of the query, key,
+#: and value must be at least 16" in torch/_inductor/kernel/flex/flex_attention.py). Smaller heads are zero-padded.
+MIN_HEAD_DIM: dict[str, int] = {"cuda": 16}
 
 #: flex_attention's backward per device type. torch refuses it on CPU up front, although its dense reference
 #: implementation runs there; tests that lift torch's check set "cpu" here to run training through flex on CPU.
@@ -382,6 +388,8 @@ def _attend(query, key, value, block_mask, q_len, n, options, kv_len=None):
         raise ValueError("the flex backend does not apply attention dropout; use backend='expand'")
     kv_len = q_len if kv_len is None else kv_len
     sinks = options.get("sinks")
+    v_head_dim = value.shape[3]
+    query, key, value = _widen_heads(query, key, value)
     out = _flex_call(
         _pad_seq(query, q_len),
         _pad_seq(key, kv_len),
@@ -393,7 +401,20 @@ def _attend(query, key, value, block_mask, q_len, n, options, kv_len=None):
     )
     if sinks is not None:
         out = _apply_sinks(*out, sinks)
-    return out[:, :, :n].transpose(1, 2).contiguous()
+    return out[:, :, :n, :v_head_dim].transpose(1, 2).contiguous()
+
+
+def _widen_heads(query, key, value):
+    """query/key/value with head dimensions below the device's kernel minimum (:data:`MIN_HEAD_DIM`) zero-padded up
+    to it. Zero features add exactly nothing to a query-key product (the scale is passed explicitly), and zero value
+    features give output columns that are dropped, so the attention and its gradients are unchanged."""
+    minimum = MIN_HEAD_DIM.get(query.device.type, 0)
+    qk_pad, v_pad = max(0, minimum - query.shape[3]), max(0, minimum - value.shape[3])
+    if qk_pad:
+        query, key = F.pad(query, (0, qk_pad)), F.pad(key, (0, qk_pad))
+    if v_pad:
+        value = F.pad(value, (0, v_pad))
+    return query, key, value
 
 
 def _apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

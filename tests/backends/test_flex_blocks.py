@@ -10,11 +10,11 @@ only, nothing on full ones), so a block listed wrongly changes results here as i
 from __future__ import annotations
 
 import time
-import types
 
 import pytest
 import torch
 from support.block_sparse import block_sets, kernel_attention, kernel_visibility
+from support.flex_batches import expected_visibility, random_packed_batch, regular_packed_batch
 from support.tiny_models import build_model, make_batch
 
 from shared_prefix_logps import compute_logps
@@ -28,61 +28,6 @@ pytestmark = [
 ]
 
 CPU = torch.device("cpu")
-
-
-def _random_batch(seed: int):
-    """A packed Phase 2 structure as the flex backend sees it, plus its own description of who sees whom.
-
-    Prompts with prefixes of 0 (a one-token prompt) to 300 tokens, 1 to 4 generations, completion rows of 0 to 200
-    tokens, rows assigned to prompts in random order (trainer-shaped batches share prompts whatever their order).
-    """
-    gen = torch.Generator().manual_seed(seed)
-    num_prompts = int(torch.randint(1, 5, (), generator=gen))
-    generations = int(torch.randint(1, 5, (), generator=gen))
-    prefix = torch.randint(0, 301, (num_prompts,), generator=gen)
-    prefix[0] = 0 if seed % 3 == 0 else prefix[0]
-    num_rows = num_prompts * generations
-    group = torch.randint(0, num_prompts, (num_rows,), generator=gen)
-    length = torch.randint(0, 201, (num_rows,), generator=gen)
-    length[0] = max(1, int(length[0]))
-    capture = types.SimpleNamespace(
-        segments=torch.arange(num_prompts).repeat_interleave(prefix),
-        positions=torch.cat([torch.arange(int(n)) for n in prefix])[None],
-        kv_of=lambda module: (None, None),
-    )
-    rows = torch.arange(num_rows).repeat_interleave(length)
-    positions = torch.cat([prefix[g] + torch.arange(int(n)) for g, n in zip(group, length)])
-    context = types.SimpleNamespace(
-        capture=capture if int(prefix.sum()) else None,
-        query_rows=rows,
-        group_index=group,
-        positions=positions[None],
-        needs_grad=False,
-        masks={},
-    )
-    return context, int(prefix.sum())
-
-
-def _expected_visibility(context, num_prefix, q_len, kv_len, window):
-    """(q_len, kv_len) bool from the batch's meaning, independent of the mask function: a completion token sees its
-    prompt's whole prefix and its own row's earlier tokens, within the window."""
-    rows, positions = context.query_rows, context.positions[0]
-    n = rows.numel()
-    if context.capture is not None:
-        k_group = torch.cat([context.capture.segments, context.group_index[rows]])
-        k_row = torch.cat([torch.full((num_prefix,), -1), rows])
-        k_pos = torch.cat([context.capture.positions[0], positions])
-    else:
-        k_group, k_row, k_pos = context.group_index[rows], rows, positions
-    k_index = torch.arange(k_row.numel())
-    q_group, q_row = context.group_index[rows][:, None], rows[:, None]
-    own = (k_row[None] == q_row) & (k_index[None] - num_prefix <= torch.arange(n)[:, None])
-    seen = (k_group[None] == q_group) & ((k_row[None] < 0) | own)
-    if window is not None:
-        seen &= positions[:, None] - k_pos[None] < window
-    expected = torch.zeros(q_len, kv_len, dtype=torch.bool)
-    expected[:n, : k_row.numel()] = seen
-    return expected
 
 
 def _assert_same_blocks(ours, theirs):
@@ -100,7 +45,7 @@ WINDOWS = [None, 1, 7, 128, 200, 333]
 def test_phase2_mask_equals_create_block_mask_and_the_batch(seed):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    context, num_prefix = _random_batch(seed)
+    context, num_prefix = random_packed_batch(seed)
     n = context.query_rows.numel()
     q_len, kv_len = flex._round_up(n, CPU), flex._round_up(n + num_prefix, CPU)
     for window in WINDOWS:
@@ -109,7 +54,7 @@ def test_phase2_mask_equals_create_block_mask_and_the_batch(seed):
             assert (ours.q_indices is not None) == (q_blocks or not flex_q_blocks_optional())
             theirs = create_block_mask(ours.mask_mod, None, None, q_len, kv_len, device="cpu")
             _assert_same_blocks(ours, theirs)
-            expected = _expected_visibility(context, num_prefix, q_len, kv_len, window)
+            expected = expected_visibility(context, num_prefix, q_len, kv_len, window)
             assert torch.equal(kernel_visibility(ours), expected), (seed, window)
 
 
@@ -123,7 +68,7 @@ def flex_q_blocks_optional():
 def test_phase1_mask_equals_create_block_mask(seed):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    context, num_prefix = _random_batch(3 * seed + 101)  # seeds not multiples of 3 keep the first prefix
+    context, num_prefix = random_packed_batch(3 * seed + 101)  # seeds not multiples of 3 keep the first prefix
     capture = context.capture
     assert capture is not None and num_prefix > 0
     capture.needs_grad = True
@@ -231,35 +176,13 @@ def test_results_exact_when_attention_reads_only_the_listed_blocks(family, shape
     assert (ours.entropy - dense.entropy).abs().max() <= 1e-5
 
 
-def _regular_batch(prompts: int, prefix: int, generations: int, completion: int):
-    """A packed Phase 2 structure of ``prompts`` prompts of ``prefix`` tokens, each with ``generations`` rows of
-    ``completion`` tokens, and a capture holding one-element keys (the mask depends on the structure only)."""
-    rows = prompts * generations
-    capture = types.SimpleNamespace(
-        segments=torch.arange(prompts).repeat_interleave(prefix),
-        positions=torch.arange(prefix).repeat(prompts)[None],
-        needs_grad=False,
-    )
-    prefix_kv = torch.zeros(1, 1, prompts * prefix, 1)
-    capture.kv_of = lambda module: (prefix_kv, prefix_kv)
-    context = types.SimpleNamespace(
-        capture=capture,
-        query_rows=torch.arange(rows).repeat_interleave(completion),
-        group_index=torch.arange(prompts).repeat_interleave(generations),
-        positions=(prefix + torch.arange(completion)).repeat(rows)[None],
-        needs_grad=False,
-        masks={},
-    )
-    return context
-
-
 def test_a_million_query_mask_builds_in_seconds_and_memory_proportional_to_its_blocks(monkeypatch):
     """8 prompts x 4096 prefix tokens x 16 generations x 8192 completion tokens: 1,048,576 queries over 1,081,344
     keys (1.1e12 pairs). The mask is taken from the backend's Phase 2 entry point (the attention call itself is
     replaced by a probe), as a forward would build it. Evaluating the mask function at every pair (what
     create_block_mask does) took 35 s and 13 GB at 32k queries and grows with the square of the batch."""
     prompts, prefix, generations, completion = 8, 4096, 16, 8192
-    context = _regular_batch(prompts, prefix, generations, completion)
+    context = regular_packed_batch(prompts, prefix, generations, completion)
     n = context.query_rows.numel()
     built = {}
 

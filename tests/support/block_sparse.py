@@ -14,7 +14,7 @@ import torch
 def listed_blocks(num_blocks: torch.Tensor, indices: torch.Tensor, num_cols: int) -> torch.Tensor:
     """(rows, num_cols) bool: the blocks a (1, 1, rows) count / (1, 1, rows, cols) index pair lists, reading only each
     row's first ``count`` entries (as the kernels do)."""
-    counts, indices = num_blocks[0, 0].long(), indices[0, 0].long()
+    counts, indices = num_blocks[0, 0].long().cpu(), indices[0, 0].long().cpu()
     dense = torch.zeros(counts.numel(), num_cols, dtype=torch.bool)
     for row, count in enumerate(counts.tolist()):
         listed = indices[row, :count]

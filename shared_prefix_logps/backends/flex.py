@@ -2,15 +2,25 @@
 
 No padding token is processed and no prefix is copied per completion row. Phase 1 forwards the real prefix tokens
 of all prompts as one packed row; Phase 2 forwards the valid query tokens of all completions as one packed row.
-Each Phase 2 layer attends over ``[packed prefixes ; packed completions]`` under a block mask built from group,
-row and position ids, so blocks that no query needs are skipped.
+Each Phase 2 layer attends over ``[packed prefixes ; packed completions]`` under a BlockMask built from the batch's
+structure (prompts' prefix segments, completion rows, positions, the sliding window; see :mod:`.flex_blocks`) in
+work proportional to the blocks visited, never by evaluating the mask at every (query, key) pair; the mask function
+runs inside the kernel on the partial blocks only.
 
 Lengths are rounded up to a multiple of :data:`LENGTH_BUCKET` inside the attention call (the padded queries see
-nothing and are dropped). On CUDA flex_attention and create_block_mask are compiled once per model configuration
-and grad mode, with dynamic lengths: new shapes, either phase and sliding windows (None or int) reuse the graph.
-Should torch's recompile limit be hit anyway, :class:`FlexRecompileError` is raised instead of torch's silent
-fallback to uncompiled flex_attention (which materializes every score). flex_attention's backward exists on CUDA
-only; on CPU this backend is forward-only and runs uncompiled.
+nothing and are dropped). On CUDA flex_attention is compiled once per model configuration and grad mode, with
+dynamic lengths: new shapes, either phase and sliding windows (None or int) reuse the graph. Should torch's recompile
+limit be hit anyway, :class:`FlexRecompileError` is raised instead of torch's silent fallback to uncompiled
+flex_attention (which materializes every score). Head dimensions below the kernel's minimum (16 on CUDA) are
+zero-padded, which changes no result. flex_attention's backward exists on CUDA only; on CPU this backend is
+forward-only and runs uncompiled.
+
+Head dimensions 192 and 256 on CUDA (torch/_inductor/template_heuristics/triton.py, torch 2.13): without
+max-autotune one configuration per (GPU, dtype, head_dim). 256: H100 bf16/fp16 BLOCK_M x BLOCK_N 64 x 32, 3 stages,
+4 warps (fp32 32 x 32); A100 32 x 64. 192: padded to 256 inside the kernel (QK_HEAD_DIM_ROUNDED, boundary-checked
+loads); no H100 entry, so bf16 takes the default 64 x 64, 3 stages, 4 warps (fp32 32 x 64, 1 stage, 8 warps); A100
+bf16 128 x 32. Backward on sm90 above 128: 64 x 64 blocks, 2 stages. Every block size divides the 128-token blocks
+of the masks built here, which the lowering requires (tests/backends/test_flex_head_dim.py).
 """
 
 from __future__ import annotations
@@ -23,18 +33,24 @@ import torch
 import torch.nn.functional as F
 
 from ..forward.context import CaptureContext, SharedContext, cached
+from .flex_blocks import BLOCK_SIZE, Links, Segments, concat_segments, segments_of, structured_block_mask
 
-#: Packed lengths are padded up to a multiple of this inside the attention call (also flex's default block size).
-LENGTH_BUCKET = 128
+#: Packed lengths are padded up to a multiple of this inside the attention call: the block size of the masks.
+LENGTH_BUCKET = BLOCK_SIZE
 
 #: The window given to layers without a sliding window: larger than any position difference, so windowed and
 #: unwindowed layers (Gemma2 alternates them) share one mask function instead of compiling one graph each.
 NO_WINDOW = 2**62
 
-#: torch.compile backend of flex_attention and create_block_mask per device type; None runs them uncompiled. CPU runs
-#: them eagerly (inductor's CPU flex kernel needs a C++ toolchain and gains little at CPU sizes); tests select
+#: torch.compile backend of flex_attention per device type; None runs it uncompiled. CPU runs
+#: it eagerly (inductor's CPU flex kernel needs a C++ toolchain and gains little at CPU sizes); tests select
 #: "aot_eager" (or a backend that counts its graphs) here to run the compiled path on CPU.
 _COMPILE_BACKENDS: dict[str, object] = {"cuda": "inductor", "cpu": None}
+
+#: The smallest head dimension flex_attention's kernel takes per device type: inductor's CUDA lowering refuses
+#: query/key or value head dimensions below 16 (``tl.dot`` needs K >= 16; "NYI: embedding dimension of the query, key,
+#: and value must be at least 16" in torch/_inductor/kernel/flex/flex_attention.py). Smaller heads are zero-padded.
+MIN_HEAD_DIM: dict[str, int] = {"cuda": 16}
 
 #: flex_attention's backward per device type. torch refuses it on CPU up front, although its dense reference
 #: implementation runs there; tests that lift torch's check set "cpu" here to run training through flex on CPU.
@@ -72,14 +88,6 @@ def _flex_entry(query, key, value, block_mask, score_mod, scale, enable_gqa, aux
     return flex_attention(
         query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, **aux
     )
-
-
-def _mask_entry(mask_mod, q_len, kv_len, device):
-    """What is compiled for the block mask: create_block_mask over (q_len, kv_len), broadcast over batch and heads.
-    Compiled, the (q_len, kv_len) boolean mask is reduced to blocks without ever being materialized."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    return create_block_mask(mask_mod, None, None, q_len, kv_len, device)
 
 
 @functools.cache
@@ -213,9 +221,10 @@ def _pad_seq(x: torch.Tensor, length: int) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, length - x.shape[2]))
 
 
-def _block_mask(q_groups, q_rows, q_pos, q_order, k_groups, k_rows, k_pos, k_order, window, q_len, kv_len):
-    """BlockMask for queries (q_*, each (q_len,) int64) over keys (k_*, each (kv_len,) int64): same group; prefix
-    keys (row -1) always, own-row keys causally (``k_order <= q_order``); and within the sliding window by positions.
+def _mask_mod(q_groups, q_rows, q_pos, q_order, k_groups, k_rows, k_pos, k_order, window):
+    """The mask function of queries (q_*, each (q_len,) int64) over keys (k_*, each (kv_len,) int64): same group;
+    prefix keys (row -1) always, own-row keys causally (``k_order <= q_order``); and within the sliding window by
+    positions. It runs inside the kernel on the partial blocks of the structure-built mask only.
 
     The eight tensors must be distinct objects (a compiled function guards on which inputs alias each other), and
     ``window`` (an int or None) travels as a tensor, so that every phase and layer of a model shares one graph.
@@ -223,8 +232,7 @@ def _block_mask(q_groups, q_rows, q_pos, q_order, k_groups, k_rows, k_pos, k_ord
     q_groups, q_rows, q_pos, q_order, k_groups, k_rows, k_pos, k_order = _distinct(
         q_groups, q_rows, q_pos, q_order, k_groups, k_rows, k_pos, k_order
     )
-    device = q_groups.device
-    window = torch.tensor(NO_WINDOW if window is None else int(window), device=device)
+    window = torch.tensor(NO_WINDOW if window is None else int(window), device=q_groups.device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         same_group = q_groups[q_idx] == k_groups[kv_idx]
@@ -232,12 +240,17 @@ def _block_mask(q_groups, q_rows, q_pos, q_order, k_groups, k_rows, k_pos, k_ord
         visible = (key_row < 0) | ((key_row == q_rows[q_idx]) & (k_order[kv_idx] <= q_order[q_idx]))
         return same_group & visible & ((q_pos[q_idx] - k_pos[kv_idx]) < window)
 
-    backend = _COMPILE_BACKENDS.get(device.type)
-    with torch.no_grad():  # grad mode would be one more guard; the mask has no gradient anyway
-        if backend is None:
-            return _mask_entry(mask_mod, q_len, kv_len, device)
-        fn = _compiled(_mask_entry, backend, (str(device),))
-        return _run_compiled("create_block_mask", fn, mask_mod, q_len, kv_len, device)
+    return mask_mod
+
+
+def _needs_q_blocks(context) -> bool:
+    """Whether the phase's mask needs the transposed indices of flex's backward."""
+    return bool(context.needs_grad or torch.is_grad_enabled())
+
+
+def _count(ids: torch.Tensor) -> int:
+    """Number of segments numbered by ``ids`` (0 when there are none)."""
+    return int(ids.max()) + 1 if ids.numel() else 0
 
 
 def _distinct(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -267,12 +280,9 @@ def packed_capture_attention(query, key, value, context: CaptureContext, window,
     length = _round_up(n, query.device)
 
     def build():
-        order = _pad_ids(torch.arange(n, device=query.device), length, length)
-        pos = _pad_ids(context.positions[0], length, 0)
-        q_groups = _pad_ids(context.segments, length, -2)  # padded queries match no key
-        k_groups = _pad_ids(context.segments, length, -1)
-        # Inside a segment the keys are the query's own row (its segment); order gives causality.
-        return _block_mask(q_groups, k_groups, pos, order, k_groups, k_groups, pos, order, window, length, length)
+        q_blocks = _needs_q_blocks(context)  # read before no_grad below
+        with torch.no_grad():
+            return _capture_block_mask(context, n, length, window, query.device, q_blocks=q_blocks)
 
     mask = cached(context, ("flex-prefix", window), build)
     return _attend(query, key, value, mask, length, n, options)
@@ -290,34 +300,87 @@ def packed_shared_attention(module, query, key, value, context: SharedContext, w
     q_len, kv_len = _round_up(n, query.device), _round_up(key.shape[2], query.device)
 
     def build():
-        device = query.device
-        rows = context.query_rows
-        groups = context.group_index[rows]
-        order = torch.arange(n, device=device)
-        pos = context.positions[0]
-        if capture is not None:
-            k_groups = torch.cat([capture.segments, groups])
-            k_rows = torch.cat([torch.full((num_prefix,), -1, device=device, dtype=torch.long), rows])
-            k_pos = torch.cat([capture.positions[0], pos])
-            k_order = torch.cat([torch.zeros(num_prefix, device=device, dtype=torch.long), order])
-        else:
-            k_groups, k_rows, k_pos, k_order = groups, rows, pos, order
-        return _block_mask(
-            _pad_ids(groups, q_len, -2),
-            _pad_ids(rows, q_len, -2),
-            _pad_ids(pos, q_len, 0),
-            _pad_ids(order, q_len, 0),
-            _pad_ids(k_groups, kv_len, -1),
-            _pad_ids(k_rows, kv_len, -3),
-            _pad_ids(k_pos, kv_len, 0),
-            _pad_ids(k_order, kv_len, kv_len),
-            window,
-            q_len,
-            kv_len,
-        )
+        q_blocks = _needs_q_blocks(context)  # read before no_grad below
+        with torch.no_grad():
+            return _shared_block_mask(context, n, num_prefix, q_len, kv_len, window, query.device, q_blocks=q_blocks)
 
     mask = cached(context, ("flex-shared", window), build)
     return _attend(query, key, value, mask, q_len, n, options, kv_len=kv_len)
+
+
+def _capture_block_mask(context: CaptureContext, n, length, window, device, *, q_blocks: bool):
+    """Phase 1's BlockMask: each prompt's tokens see their own prompt's tokens causally."""
+    order = _pad_ids(torch.arange(n, device=device), length, length)
+    pos = _pad_ids(context.positions[0], length, 0)
+    q_groups = _pad_ids(context.segments, length, -2)  # padded queries match no key
+    k_groups = _pad_ids(context.segments, length, -1)
+    # Inside a segment the keys are the query's own row (its segment); order gives causality.
+    mask_mod = _mask_mod(q_groups, k_groups, pos, order, k_groups, k_groups, pos, order, window)
+    count = _count(context.segments)
+    prompts = segments_of(context.segments, context.positions[0], count)
+    every = torch.arange(count, device=device)
+    links = Links(query=every, key=every, causal=torch.ones(count, dtype=torch.bool, device=device))
+    return structured_block_mask(
+        prompts,
+        prompts,
+        links,
+        q_len=length,
+        kv_len=length,
+        window=window,
+        mask_mod=mask_mod,
+        q_blocks=q_blocks,
+    )
+
+
+def _shared_block_mask(context: SharedContext, n, num_prefix, q_len, kv_len, window, device, *, q_blocks: bool):
+    """Phase 2's BlockMask: row ``r``'s queries see its group's prefix segment whole and its own tokens causally."""
+    capture = context.capture
+    rows = context.query_rows
+    num_rows = context.group_index.numel()
+    groups = context.group_index[rows]
+    order = torch.arange(n, device=device)
+    pos = context.positions[0]
+    own = segments_of(rows, pos, num_rows, offset=num_prefix)  # the rows' tokens as keys, after the prefixes
+    queries = Segments(start=own.start - num_prefix, length=own.length, position=own.position)
+    every = torch.arange(num_rows, device=device)
+    causal = torch.ones(num_rows, dtype=torch.bool, device=device)
+    if capture is not None:
+        num_prompts = max(_count(capture.segments), _count(context.group_index))
+        prefixes = segments_of(capture.segments, capture.positions[0], num_prompts)
+        keys = concat_segments(prefixes, own)
+        links = Links(
+            query=torch.cat([every, every]),
+            key=torch.cat([context.group_index, every + num_prompts]),
+            causal=torch.cat([~causal, causal]),
+        )
+        k_groups = torch.cat([capture.segments, groups])
+        k_rows = torch.cat([torch.full((num_prefix,), -1, device=device, dtype=torch.long), rows])
+        k_pos = torch.cat([capture.positions[0], pos])
+        k_order = torch.cat([torch.zeros(num_prefix, device=device, dtype=torch.long), order])
+    else:
+        keys, links = own, Links(query=every, key=every, causal=causal)
+        k_groups, k_rows, k_pos, k_order = groups, rows, pos, order
+    mask_mod = _mask_mod(
+        _pad_ids(groups, q_len, -2),
+        _pad_ids(rows, q_len, -2),
+        _pad_ids(pos, q_len, 0),
+        _pad_ids(order, q_len, 0),
+        _pad_ids(k_groups, kv_len, -1),
+        _pad_ids(k_rows, kv_len, -3),
+        _pad_ids(k_pos, kv_len, 0),
+        _pad_ids(k_order, kv_len, kv_len),
+        window,
+    )
+    return structured_block_mask(
+        queries,
+        keys,
+        links,
+        q_len=q_len,
+        kv_len=kv_len,
+        window=window,
+        mask_mod=mask_mod,
+        q_blocks=q_blocks,
+    )
 
 
 def _attend(query, key, value, block_mask, q_len, n, options, kv_len=None):
@@ -325,6 +388,8 @@ def _attend(query, key, value, block_mask, q_len, n, options, kv_len=None):
         raise ValueError("the flex backend does not apply attention dropout; use backend='expand'")
     kv_len = q_len if kv_len is None else kv_len
     sinks = options.get("sinks")
+    v_head_dim = value.shape[3]
+    query, key, value = _widen_heads(query, key, value)
     out = _flex_call(
         _pad_seq(query, q_len),
         _pad_seq(key, kv_len),
@@ -336,7 +401,20 @@ def _attend(query, key, value, block_mask, q_len, n, options, kv_len=None):
     )
     if sinks is not None:
         out = _apply_sinks(*out, sinks)
-    return out[:, :, :n].transpose(1, 2).contiguous()
+    return out[:, :, :n, :v_head_dim].transpose(1, 2).contiguous()
+
+
+def _widen_heads(query, key, value):
+    """query/key/value with head dimensions below the device's kernel minimum (:data:`MIN_HEAD_DIM`) zero-padded up
+    to it. Zero features add exactly nothing to a query-key product (the scale is passed explicitly), and zero value
+    features give output columns that are dropped, so the attention and its gradients are unchanged."""
+    minimum = MIN_HEAD_DIM.get(query.device.type, 0)
+    qk_pad, v_pad = max(0, minimum - query.shape[3]), max(0, minimum - value.shape[3])
+    if qk_pad:
+        query, key = F.pad(query, (0, qk_pad)), F.pad(key, (0, qk_pad))
+    if v_pad:
+        value = F.pad(value, (0, v_pad))
+    return query, key, value
 
 
 def _apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

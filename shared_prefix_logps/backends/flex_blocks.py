@@ -1,0 +1,253 @@
+"""flex_attention BlockMasks built from the structure of a packed batch, in work proportional to the visited blocks.
+
+``create_block_mask`` evaluates the mask function at every (query, key) pair: at 8 prompts x 16 generations x 4k
+completion tokens that is ~2.7e11 evaluations per mask. The packed layouts of this package are made of *segments*
+(runs of consecutive tokens whose positions advance by one: a prompt's prefix, a completion row, a node of a prefix
+tree) and *links* (query segment S sees key segment T: all of it, or causally when T is S's own tokens). Each link
+covers a rectangle of the (query, key) plane cut by at most two diagonals (causality, the sliding window), so the
+number of visible pairs it puts in any block has a closed form. The builder enumerates, link by link, only the
+blocks a link touches and sums those counts per block: a block is *full* when every one of its pairs is visible,
+*partial* otherwise. Only partial blocks run the mask function inside the attention kernel.
+
+Memory: everything is proportional to the number of (link, block) pairs visited, except the index arrays of torch's
+BlockMask format itself: ``kv_indices`` and ``full_kv_indices`` are (1, 1, Q_blocks, KV_blocks) int32 (and, for
+backward, ``q_indices``/``full_q_indices`` (1, 1, KV_blocks, Q_blocks) int32), i.e. 4 bytes per block of the whole
+(q_len x kv_len) plane for each of them. They are allocated zeroed and written only at visited entries (a row's
+entries past its block count are never read by the kernels). At 1M queries x 1M keys that is 8192 x 8192 blocks:
+256 MiB per array.
+
+Trees of rows (a trie: each node's tokens see its ancestors' tokens and, causally, its own) fit the same input:
+one key segment and one query segment per node, a causal link from a node to itself and a plain link to each
+ancestor.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+#: Query and key block size of the masks built here (flex_attention's default sparse block size).
+BLOCK_SIZE = 128
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Runs of consecutive tokens of one packed sequence, each with positions advancing by one per token.
+
+    Attributes:
+        start: (n,) int64, index in the packed sequence of each segment's first token.
+        length: (n,) int64, number of tokens of each segment (0 allowed: the segment is ignored).
+        position: (n,) int64, position (the RoPE / sliding-window position) of each segment's first token; token
+            ``start + k`` has position ``position + k``.
+    """
+
+    start: torch.Tensor
+    length: torch.Tensor
+    position: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Links:
+    """Which key segments each query segment attends to.
+
+    Attributes:
+        query: (m,) int64, index of the query segment (into the query :class:`Segments`).
+        key: (m,) int64, index of the key segment it sees (into the key :class:`Segments`).
+        causal: (m,) bool. A causal link shows a key only to queries at the same or a later position (a segment
+            attending to its own tokens); otherwise every key of the segment is visible (an ancestor's tokens).
+
+    A (query segment, key segment) pair appears at most once. On top of the links, a sliding window hides keys whose
+    position is ``window`` or more before the query's.
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    causal: torch.Tensor
+
+
+def segments_of(owner: torch.Tensor, positions: torch.Tensor, count: int, *, offset: int = 0) -> Segments:
+    """The :class:`Segments` of a packed run whose token ``i`` belongs to segment ``owner[i]``.
+
+    Args:
+        owner: (n,) int64, non-decreasing (each segment's tokens are consecutive), values in ``[0, count)``.
+        positions: (n,) int64 position of each token; must advance by one along each segment.
+        count: number of segments (segments owning no token get length 0).
+        offset: index in the packed sequence of the run's first token (keys placed after other keys).
+
+    Raises:
+        ValueError: if the tokens of a segment are not consecutive or their positions do not advance by one: the
+            structure-built mask would not describe the batch.
+    """
+    owner = owner.long()
+    if owner.numel() and (bool((owner[1:] < owner[:-1]).any()) or int(owner.min()) < 0 or int(owner.max()) >= count):
+        raise ValueError("owner must be non-decreasing with values in [0, count): segments are runs of tokens")
+    length = torch.bincount(owner, minlength=count)
+    first = torch.cumsum(length, 0) - length
+    position = torch.zeros(count, dtype=torch.long, device=owner.device)
+    nonempty = length > 0
+    position[nonempty] = positions[first[nonempty]].long()
+    along = torch.arange(owner.numel(), device=owner.device) - first[owner]
+    if not torch.equal(positions.long(), position[owner] + along):
+        raise ValueError("positions must advance by one along each segment for a structure-built block mask")
+    return Segments(start=first + offset, length=length, position=position)
+
+
+def concat_segments(*parts: Segments) -> Segments:
+    """The segments of several runs of one packed sequence, numbered one run after the other."""
+    return Segments(
+        start=torch.cat([p.start for p in parts]),
+        length=torch.cat([p.length for p in parts]),
+        position=torch.cat([p.position for p in parts]),
+    )
+
+
+def structured_block_mask(
+    queries: Segments,
+    keys: Segments,
+    links: Links,
+    *,
+    q_len: int,
+    kv_len: int,
+    window: int | None,
+    mask_mod,
+    q_blocks: bool = True,
+):
+    """The BlockMask of ``links`` over (``q_len``, ``kv_len``), built from the structure alone.
+
+    ``mask_mod`` must compute the same visibility per pair (it runs only on the partial blocks, inside the kernel);
+    every query or key outside the segments (padding) sees nothing. The result equals ``create_block_mask(mask_mod,
+    None, None, q_len, kv_len)`` block for block, full blocks and partial blocks apart (row entries past a row's
+    block count are zero instead of the remaining block indices; no kernel reads them).
+
+    Args:
+        queries / keys: the segments of the packed queries and keys.
+        links: which key segments each query segment sees.
+        q_len, kv_len: padded lengths, multiples of :data:`BLOCK_SIZE`.
+        window: sliding window (a key is visible when ``q_pos - k_pos < window``) or None.
+        mask_mod: flex mask function equal to the structure, for the partial blocks.
+        q_blocks: also build the transposed indices backward needs (``q_num_blocks``/``q_indices``); torch
+            versions whose BlockMask requires them get them regardless.
+    """
+    for name, value in (("q_len", q_len), ("kv_len", kv_len)):
+        if value <= 0 or value % BLOCK_SIZE:
+            raise ValueError(f"{name} must be a positive multiple of {BLOCK_SIZE}, got {value}")
+    if window is not None and window <= 0:
+        raise ValueError(f"window must be positive or None, got {window}")
+    num_q, num_kv = q_len // BLOCK_SIZE, kv_len // BLOCK_SIZE
+    q_block, kv_block, visible = _visible_pairs_per_block(queries, keys, links, num_kv, q_len + kv_len, window)
+    full = visible == BLOCK_SIZE * BLOCK_SIZE
+    # Pairs come sorted by (q_block, kv_block): rows of the kv-side arrays in ascending block order.
+    parts = {
+        "kv_num_blocks": None,
+        "kv_indices": None,
+        "full_kv_num_blocks": None,
+        "full_kv_indices": None,
+        "q_num_blocks": None,
+        "q_indices": None,
+        "full_q_num_blocks": None,
+        "full_q_indices": None,
+    }
+    parts["kv_num_blocks"], parts["kv_indices"] = _ordered(q_block[~full], kv_block[~full], num_q, num_kv)
+    parts["full_kv_num_blocks"], parts["full_kv_indices"] = _ordered(q_block[full], kv_block[full], num_q, num_kv)
+    if q_blocks or not _q_blocks_optional():
+        for prefix, keep in (("", ~full), ("full_", full)):
+            rows, cols = kv_block[keep], q_block[keep]
+            order = torch.argsort(rows * num_q + cols)
+            parts[f"{prefix}q_num_blocks"], parts[f"{prefix}q_indices"] = _ordered(
+                rows[order], cols[order], num_kv, num_q
+            )
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return BlockMask(seq_lengths=(q_len, kv_len), BLOCK_SIZE=(BLOCK_SIZE, BLOCK_SIZE), mask_mod=mask_mod, **parts)
+
+
+@functools.cache
+def _q_blocks_optional() -> bool:
+    """Whether this torch's BlockMask accepts a mask without the transposed (backward) indices (``compute_q_blocks``
+    of ``BlockMask.from_kv_blocks``; older versions assert they are given). The BlockMask constructor's other keyword
+    arguments used here are the same from torch 2.5 to 2.13."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
+
+
+def _ordered(rows: torch.Tensor, cols: torch.Tensor, num_rows: int, num_cols: int):
+    """torch's ordered block format of the (row, col) blocks, given sorted by row then col: (1, 1, num_rows) int32
+    counts and (1, 1, num_rows, num_cols) int32 indices, each row's columns first, zeros after."""
+    counts = torch.bincount(rows, minlength=num_rows)
+    row_start = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(rows.numel(), device=rows.device) - row_start[rows]
+    indices = torch.zeros(num_rows, num_cols, dtype=torch.int32, device=rows.device)
+    indices[rows, rank] = cols.to(torch.int32)
+    return counts.to(torch.int32)[None, None], indices[None, None]
+
+
+def _visible_pairs_per_block(
+    queries: Segments, keys: Segments, links: Links, num_kv: int, bound: int, window: int | None
+):
+    """(q_block, kv_block, visible) over the blocks that at least one pair of ``links`` makes visible, sorted by
+    (q_block, kv_block): each block's indices and its number of visible (query, key) pairs, all (blocks,) int64.
+
+    Each link is the rectangle [qa, qz] x [ka, kz] (inclusive token indices) cut to ``lo <= i - j <= hi``: causality
+    and the window compare positions, and ``q_pos - k_pos = (i - j) + offset`` is fixed along a link. ``bound``
+    exceeds every |i - j| and stands for "no limit".
+    """
+    qa, ql, qp = (t[links.query] for t in (queries.start, queries.length, queries.position))
+    ka, kl, kp = (t[links.key] for t in (keys.start, keys.length, keys.position))
+    qz, kz = qa + ql - 1, ka + kl - 1
+    offset = (qp - qa) - (kp - ka)
+    lo = torch.where(links.causal.bool(), -offset, torch.full_like(offset, -bound))
+    hi = torch.full_like(offset, bound) if window is None or window >= bound else window - 1 - offset
+    lo, hi = torch.maximum(lo, qa - kz), torch.minimum(hi, qz - ka)
+    keep = (ql > 0) & (kl > 0) & (lo <= hi)
+    qa, qz, ka, kz, lo, hi = (t[keep] for t in (qa, qz, ka, kz, lo, hi))
+
+    # Every (link, query block) pair: the query rows of the block in the link, the keys any of them sees.
+    link, q_block = _expand(qa // BLOCK_SIZE, qz // BLOCK_SIZE)
+    i0 = torch.maximum(qa[link], q_block * BLOCK_SIZE)
+    i1 = torch.minimum(qz[link], q_block * BLOCK_SIZE + BLOCK_SIZE - 1)
+    j0 = torch.maximum(ka[link], i0 - hi[link])
+    j1 = torch.minimum(kz[link], i1 - lo[link])
+    seen = j0 <= j1  # the band misses the block's rows only at a clipped corner
+    link, q_block, i0, i1, j0, j1 = (t[seen] for t in (link, q_block, i0, i1, j0, j1))
+
+    # Every (link, query block, key block) triple; each holds at least one visible pair (the band is convex).
+    row, kv_block = _expand(j0 // BLOCK_SIZE, j1 // BLOCK_SIZE)
+    link, q_block, i0, i1 = link[row], q_block[row], i0[row], i1[row]
+    c0 = torch.maximum(ka[link], kv_block * BLOCK_SIZE)
+    c1 = torch.minimum(kz[link], kv_block * BLOCK_SIZE + BLOCK_SIZE - 1)
+    count = _pairs_at_most(i0, i1, c0, c1, hi[link]) - _pairs_at_most(i0, i1, c0, c1, lo[link] - 1)
+
+    # Links do not overlap (a pair of segments is linked once), so the per-block sums are exact.
+    block, inverse = torch.unique(q_block * num_kv + kv_block, sorted=True, return_inverse=True)
+    visible = torch.zeros(block.numel(), dtype=torch.long, device=block.device).index_add_(0, inverse, count)
+    return block // num_kv, block % num_kv, visible
+
+
+def _expand(first: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source, value) for every integer ``value`` in ``[first[s], last[s]]`` of every ``s``: (total,) int64 each."""
+    span = last - first + 1
+    source = torch.repeat_interleave(torch.arange(span.numel(), device=span.device), span)
+    step = torch.arange(source.numel(), device=span.device) - (torch.cumsum(span, 0) - span)[source]
+    return source, first[source] + step
+
+
+def _pairs_at_most(i0, i1, j0, j1, t):
+    """Number of (i, j) in [i0, i1] x [j0, j1] (inclusive, elementwise) with ``i - j <= t``.
+
+    Row ``i`` counts the ``j >= i - t``: ``clamp(j1 + 1 + t - i, 0, width)``; summed over ``i`` this is a sum of
+    ``clamp(x, 0, width)`` over the consecutive integers ``x`` in ``[j1 + 1 + t - i1, j1 + 1 + t - i0]``.
+    """
+    width = j1 - j0 + 1
+    top = j1 + 1 + t
+    return _clamped_prefix_sum(top - i0, width) - _clamped_prefix_sum(top - i1 - 1, width)
+
+
+def _clamped_prefix_sum(x, width):
+    """``sum(clamp(y, 0, width) for y in range(0, x + 1))`` elementwise (0 for negative ``x``)."""
+    x = torch.clamp(x, min=-1)
+    inside = torch.minimum(x, width)
+    return torch.where(x < 0, 0, inside * (inside + 1) // 2 + torch.clamp(x - width, min=0) * width)

@@ -1,0 +1,90 @@
+"""CUDA checks of the flex backend's structure-built BlockMasks (marked ``gpu``, skipped without a CUDA device): block
+for block what ``create_block_mask`` builds on the GPU, exact results against dense when inductor's kernel reads the
+block lists (full blocks skip the mask function there, unlike on CPU), heads below 16 padded, and the 1M-query mask
+built in seconds. Models have head_dim >= 16 except where padding is the point.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from support.block_sparse import block_sets
+from support.exactness import max_relative_grad_error, parameter_grads, weighted_loss
+from support.flex_batches import random_packed_batch, regular_packed_batch
+from support.tiny_models import build_model, make_batch
+
+from shared_prefix_logps import compute_logps
+from shared_prefix_logps.backends import flex
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+CUDA = torch.device("cuda")
+#: float32 on the GPU: kernels sum in other orders than the dense path, so a little more than on CPU.
+FP32_LOGPS_TOL, FP32_GRAD_TOL = 1e-4, 1e-3
+
+
+@pytest.fixture(autouse=True)
+def real_triton(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_structure_masks_equal_create_block_mask_on_cuda(seed):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    context, num_prefix = random_packed_batch(seed, device=CUDA)
+    n = context.query_rows.numel()
+    q_len, kv_len = flex._round_up(n, CUDA), flex._round_up(n + num_prefix, CUDA)
+    for window in (None, 7, 200):
+        ours = flex._shared_block_mask(context, n, num_prefix, q_len, kv_len, window, CUDA, q_blocks=True)
+        theirs = create_block_mask(ours.mask_mod, None, None, q_len, kv_len, device="cuda")
+        mine, reference = block_sets(ours), block_sets(theirs)
+        assert all(torch.equal(mine[name], reference[name]) for name in mine), (seed, window)
+
+
+@pytest.mark.parametrize("mode", ["score", "train"])
+@pytest.mark.parametrize("family", ["llama-hd16", "qwen2-hd16", "gemma2"])
+def test_flex_exact_when_the_kernel_reads_the_block_lists(family, mode):
+    """Llama and Qwen2 with head_dim 16 and rows of several 128-token blocks (full and partial blocks), and the tiny
+    Gemma2 (head_dim 8, padded to 16; windows of 5 and none; softcaps)."""
+    name = family.removesuffix("-hd16")
+    model = build_model(name, hidden=64 if family.endswith("hd16") else 32).to(CUDA)
+    batch = [t.to(CUDA) for t in make_batch(3, 3, prompt_len=150, completion_len=100, seed=7)]
+    prompts, pmask, comps, cmask = batch
+    kwargs = dict(prompt_mask=pmask, completion_mask=cmask, return_entropy=True)
+    dense = compute_logps(model, prompts, comps, backend="dense", **kwargs)
+    expected = parameter_grads(model, weighted_loss(dense))
+    if mode == "score":
+        with torch.no_grad():
+            ours = compute_logps(model, prompts, comps, backend="flex", **kwargs)
+    else:
+        ours = compute_logps(model, prompts, comps, backend="flex", **kwargs)
+        assert max_relative_grad_error(parameter_grads(model, weighted_loss(ours)), expected) <= FP32_GRAD_TOL
+    assert (ours.logps.detach() - dense.logps.detach()).abs().max() <= FP32_LOGPS_TOL
+
+
+def test_a_million_query_mask_builds_in_seconds_on_cuda(monkeypatch):
+    context = regular_packed_batch(8, 4096, 16, 8192, device=CUDA)
+    n = context.query_rows.numel()
+    built = {}
+
+    def probe(query, key, value, block_mask, *args, **kwargs):
+        built["mask"] = block_mask
+        return query.transpose(1, 2)
+
+    monkeypatch.setattr(flex, "_attend", probe)
+    query = torch.zeros(1, 1, n, 1, device=CUDA)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        flex.packed_shared_attention(object(), query, query, query, context, None, {})
+    torch.cuda.synchronize()
+    assert time.perf_counter() - start <= 10
+    per_row = 8192 // 128
+    assert int(built["mask"].kv_num_blocks.sum()) == 8 * 16 * per_row
+    assert int(built["mask"].full_kv_num_blocks.sum()) == 8 * 16 * (per_row * 32 + per_row * (per_row - 1) // 2)

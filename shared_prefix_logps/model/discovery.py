@@ -170,8 +170,31 @@ def head_spec(causal_lm) -> HeadSpec:
         )
     config = causal_lm.config
     scale = 1.0
-    if getattr(config, "logit_scale", None) is not None:  # Cohere-style: logits * logit_scale
-        scale *= float(config.logit_scale)
+    logit_scale = _logit_scale(causal_lm)
+    if logit_scale is not None:  # Cohere-style: logits * logit_scale
+        scale *= logit_scale
     if getattr(config, "logits_scaling", None) is not None:  # Granite-style: logits / logits_scaling
         scale /= float(config.logits_scaling)
     return HeadSpec(lm_head=lm_head, scale=scale, softcap=getattr(config, "final_logit_softcapping", None))
+
+
+def _logit_scale(causal_lm) -> float | None:
+    """The Cohere-style factor the model's forward multiplies its logits by, or None.
+
+    Cohere's forward multiplies by the instance attribute ``logit_scale``, copied from the config at construction: a
+    caller who sets the attribute afterwards changes the model's logits and not its config, so the attribute, where
+    the instance has one, is what counts. A model without it that carries ``config.logit_scale`` gets the config's
+    (its class may ignore it: the head check then refuses the model)."""
+    value = getattr(causal_lm, "logit_scale", None)
+    if value is None:
+        value = getattr(causal_lm.config, "logit_scale", None)
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.requires_grad:
+            raise UnsupportedModelError(
+                f"{type(causal_lm).__name__}.logit_scale is a tensor of shape {tuple(value.shape)}"
+                f"{' that requires grad' if value.requires_grad else ''}; the fused head takes a constant scale"
+            )
+        return float(value.item())
+    return float(value)

@@ -125,6 +125,8 @@ def chunked_backward(
                 raise TypeError("loss_fn must return a scalar tensor")
             if loss.requires_grad:
                 backward.loss(loss, last=not prompt_backward and first == firsts[-1])
+            elif part.completion_mask.any():  # skipping its backward would leave these rows' gradient out unseen
+                raise _loss_without_grad(chunk_rows, chunk_out.logps.requires_grad)
             detached = chunk_out.detach()
             write_rows(logps, entropy, chunk_rows, (detached.logps, detached.entropy))
             del chunk_out, loss
@@ -141,6 +143,18 @@ def chunked_backward(
             num_experts,
         )
     return out
+
+
+def _loss_without_grad(chunk_rows: torch.Tensor, logps_need_grad: bool) -> RuntimeError:
+    """The error for a chunk with valid tokens whose loss does not require grad (``loss.backward()`` raises too)."""
+    rows = chunk_rows.tolist()
+    shown = ", ".join(map(str, rows[:8])) + (", ..." if len(rows) > 8 else "")
+    cause = (
+        "loss_fn detached it or returned a constant; build the loss from chunk_out's tensors"
+        if logps_need_grad
+        else "the chunk's log-probs carry no gradient (no parameter of the model requires grad)"
+    )
+    return RuntimeError(f"the loss of the chunk of rows [{shown}] has valid tokens but does not require grad: {cause}")
 
 
 def _detached_capture(capture: CaptureContext | None) -> CaptureContext | None:

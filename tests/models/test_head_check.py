@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import pytest
 from support.exactness import compare_with_dense
-from support.tiny_models import build_model, make_batch
+from support.tiny_models import build_model, make_batch, randomize_lora
+
+from shared_prefix_logps import compute_logps
 
 
 def _assert_exact(errors):
@@ -39,3 +41,20 @@ def test_logit_scale_set_on_the_instance_after_use_is_followed(family, monkeypat
     # A config edit the forward does not read changes nothing.
     model.config.logit_scale = 7.0
     _assert_exact(compare_with_dense(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask))
+
+
+def test_lora_on_the_lm_head_added_after_use_is_exact():
+    """The base model's head got its proxy at the first call; PEFT then wraps that head, and its LoRA forward calls
+    the base head inside the new one. Only the head the model has now may count as the head."""
+    peft = pytest.importorskip("peft")
+    base = build_model("llama")
+    prompts, pmask, comps, cmask = make_batch(2, 3, prompt_len=7, completion_len=5, seed=2)
+    compute_logps(base, prompts, comps, prompt_mask=pmask, completion_mask=cmask)
+    config = peft.LoraConfig(r=2, target_modules=["q_proj", "lm_head"], lora_dropout=0.0)
+    model = randomize_lora(peft.get_peft_model(base, config))
+    _assert_exact(
+        compare_with_dense(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, return_entropy=True)
+    )
+    # Unwrapped again, the base head (still holding its proxy) is the head (PEFT left the base weights frozen).
+    unloaded = model.unload().requires_grad_(True)
+    _assert_exact(compare_with_dense(unloaded, prompts, comps, prompt_mask=pmask, completion_mask=cmask))

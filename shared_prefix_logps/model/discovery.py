@@ -55,6 +55,7 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     while seen < 8:
         seen += 1
         if hasattr(model, "get_base_model") and callable(model.get_base_model):  # PEFT
+            _refuse_prompt_learning(model)
             model = model.get_base_model()
         elif hasattr(model, "_orig_mod"):  # torch.compile
             model = model._orig_mod
@@ -70,6 +71,24 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
             f"{type(model).__name__}"
         )
     return model
+
+
+def _refuse_prompt_learning(peft_model: nn.Module) -> None:
+    """PEFT prompt learning (prompt tuning, prefix tuning, p-tuning, ...) adds virtual tokens in the PEFT model's own
+    forward: embeddings before every row or keys/values before every layer's, with positions ignored. The phases'
+    rows, positions and prefix keys/values would not be the ones the model attends over."""
+    configs = getattr(peft_model, "peft_config", None)
+    if not isinstance(configs, dict):
+        return
+    for name, config in configs.items():
+        if getattr(config, "is_prompt_learning", False):
+            kind = getattr(config, "peft_type", None)
+            kind = getattr(kind, "value", kind)
+            raise UnsupportedModelError(
+                f"PEFT prompt learning ({kind}, adapter {name!r}) is not supported: its virtual tokens enter every "
+                "row inside the PEFT model's forward, which the shared prompt pass cannot reproduce. Use an adapter "
+                "that changes weights (LoRA and its relatives) or score the base model"
+            )
 
 
 def check_supported(model: nn.Module) -> nn.Module:

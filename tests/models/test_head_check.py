@@ -12,7 +12,7 @@ import pytest
 from support.exactness import compare_with_dense
 from support.tiny_models import build_model, make_batch, randomize_lora
 
-from shared_prefix_logps import compute_logps
+from shared_prefix_logps import UnsupportedModelError, compute_logps
 
 
 def _assert_exact(errors):
@@ -58,3 +58,22 @@ def test_lora_on_the_lm_head_added_after_use_is_exact():
     # Unwrapped again, the base head (still holding its proxy) is the head (PEFT left the base weights frozen).
     unloaded = model.unload().requires_grad_(True)
     _assert_exact(compare_with_dense(unloaded, prompts, comps, prompt_mask=pmask, completion_mask=cmask))
+
+
+@pytest.mark.parametrize("kind", ["prompt_tuning", "prefix_tuning", "p_tuning"])
+@pytest.mark.parametrize("backend", ["auto", "dense"])
+def test_peft_prompt_learning_is_refused_by_name(kind, backend):
+    """Virtual tokens go in front of every row inside PEFT's own forward (prompt tuning and p-tuning as embeddings,
+    prefix tuning as keys/values): refused by name, before any forward, instead of a tensor-size error."""
+    peft = pytest.importorskip("peft")
+    configs = {
+        "prompt_tuning": lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+        "prefix_tuning": lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3),
+        "p_tuning": lambda: peft.PromptEncoderConfig(
+            task_type="CAUSAL_LM", num_virtual_tokens=3, encoder_hidden_size=8
+        ),
+    }
+    model = peft.get_peft_model(build_model("llama"), configs[kind]())
+    prompts, pmask, comps, cmask = make_batch(2, 2, prompt_len=6, completion_len=4)
+    with pytest.raises(UnsupportedModelError, match=rf"PEFT prompt learning \({kind.upper()}, adapter 'default'\)"):
+        compute_logps(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, backend=backend)

@@ -10,7 +10,7 @@ from .backends.flex import backward_available, flex_available
 from .inputs import GroupedBatch, check_options, group_batch, split_concatenated
 from .model import PreparedModel, prepare_model
 from .moe_router import RouterStats, router_spec
-from .output import LogpsOutput, write_rows
+from .output import LogpsOutput, result_zeros, write_rows
 from .phases import capture_prefix, score_rows, score_rows_routed
 from .token_budget import DEFAULT_TOKEN_BUDGET, plan_prompt_batches, plan_row_batches
 
@@ -166,7 +166,7 @@ def run_batch(
     mask = batch.completion_mask
     nothing_valid = not mask.any()
     if nothing_valid and not torch.is_grad_enabled() and top_k is None:
-        logps = torch.zeros(rows, length, device=batch.completion_ids.device)
+        logps = result_zeros(rows, length, device=batch.completion_ids.device)
         return LogpsOutput(logps, torch.zeros_like(logps) if return_entropy else None, mask)
     if nothing_valid:
         # With gradient an all-masked batch still runs the model: its (zero) result must hang off the model's graph
@@ -174,7 +174,7 @@ def run_batch(
         # (every parameter gets a zero gradient; DDP/FSDP see an ordinary forward and backward). Completions with
         # no column at all get one masked column to forward; the result is cut back to the caller's width below.
         batch = batch.with_one_column()
-    logps = torch.zeros(batch.completion_ids.shape, device=batch.completion_ids.device)
+    logps = result_zeros(*batch.completion_ids.shape, device=batch.completion_ids.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
     if backend == "dense":
         part = batch.select_rows(torch.arange(rows, device=logps.device))

@@ -19,7 +19,7 @@ from .forward.context import CaptureContext
 from .inputs import check_options, group_batch
 from .model import prepare_model
 from .moe_router import RouterStats, router_spec
-from .output import LogpsOutput, write_rows
+from .output import LogpsOutput, result_zeros, write_rows
 from .phases import capture_prefix, score_rows, score_rows_routed
 
 
@@ -100,7 +100,7 @@ def chunked_backward(
     leaves = _detached_capture(capture)
     # Whether a backward through the prompt follows the chunks' (it is then the step's last backward).
     prompt_backward = capture is not None and any(t.requires_grad for t in _prompt_results(capture))
-    logps = torch.zeros(rows, length, device=batch.completion_ids.device)
+    logps = result_zeros(rows, length, device=batch.completion_ids.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
     starts = torch.arange(num_prompts, device=logps.device) * generations
     # With no valid token anywhere, autograd of the summed losses still gives every parameter a zero gradient (and
@@ -198,7 +198,7 @@ def _score_chunk(
     With ``top_k`` (router statistics) the output carries the chunk rows' :class:`RouterStats`.
     """
     chunk_rows = part.completion_ids.shape[0]
-    logps = torch.zeros(chunk_rows, length, device=part.completion_ids.device)
+    logps = result_zeros(chunk_rows, length, device=part.completion_ids.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
     stats = None
     if score_empty or part.completion_mask.any():

@@ -166,9 +166,13 @@ def _check_ids_in_vocab(name: str, ids: torch.Tensor, mask: torch.Tensor, vocab_
     return ids.masked_fill(~mask, 0)
 
 
-def normalize_prompts(prompts, prompt_mask, *, device, vocab_size) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded (num_prompts, P) int64 ids with their (num_prompts, P) bool mask."""
-    ids, rows = _as_id_tensor("prompts", prompts, device)
+def normalize_prompts(
+    prompts, prompt_mask, *, device, vocab_size, names=("prompts", "prompt_mask")
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded (num_prompts, P) int64 ids with their (num_prompts, P) bool mask. ``names``: what errors call the
+    ids and the mask (the caller's arguments)."""
+    ids_name, mask_name = names
+    ids, rows = _as_id_tensor(ids_name, prompts, device)
     if ids is None:
         if prompt_mask is not None:
             raise ValueError("prompt_mask must be None when prompts is a list of token-id lists")
@@ -184,22 +188,25 @@ def normalize_prompts(prompts, prompt_mask, *, device, vocab_size) -> tuple[torc
         mask = (
             torch.ones_like(ids, dtype=torch.bool)
             if prompt_mask is None
-            else _check_mask("prompt_mask", prompt_mask, ids.shape, device)
+            else _check_mask(mask_name, prompt_mask, ids.shape, device)
         )
         if not mask[:, -1].all():
             bad = int((~mask[:, -1]).nonzero()[0])
             raise ValueError(
-                f"prompt_mask row {bad} does not end with a real token: prompts must be left-padded and non-empty"
+                f"{mask_name} row {bad} does not end with a real token: prompts must be left-padded and non-empty"
             )
         if (mask[:, 1:] < mask[:, :-1]).any():
             bad = int((mask[:, 1:] < mask[:, :-1]).any(1).nonzero()[0])
-            raise ValueError(f"prompt_mask row {bad} is not left-padded (a padded position follows a real token)")
-    return _check_ids_in_vocab("prompts", ids, mask, vocab_size), mask
+            raise ValueError(f"{mask_name} row {bad} is not left-padded (a padded position follows a real token)")
+    return _check_ids_in_vocab(ids_name, ids, mask, vocab_size), mask
 
 
-def normalize_completions(completions, completion_mask, *, device, vocab_size) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded (rows, C) int64 ids with their (rows, C) bool mask."""
-    ids, rows = _as_id_tensor("completions", completions, device)
+def normalize_completions(
+    completions, completion_mask, *, device, vocab_size, names=("completions", "completion_mask")
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (rows, C) int64 ids with their (rows, C) bool mask. ``names`` as for :func:`normalize_prompts`."""
+    ids_name, mask_name = names
+    ids, rows = _as_id_tensor(ids_name, completions, device)
     if ids is None:
         if completion_mask is not None:
             raise ValueError("completion_mask must be None when completions is a list of token-id lists")
@@ -212,12 +219,12 @@ def normalize_completions(completions, completion_mask, *, device, vocab_size) -
         mask = (
             torch.ones_like(ids, dtype=torch.bool)
             if completion_mask is None
-            else _check_mask("completion_mask", completion_mask, ids.shape, device)
+            else _check_mask(mask_name, completion_mask, ids.shape, device)
         )
         if (mask[:, 1:] > mask[:, :-1]).any():
             bad = int((mask[:, 1:] > mask[:, :-1]).any(1).nonzero()[0])
-            raise ValueError(f"completion_mask row {bad} is not right-padded (a real token follows a padded position)")
-    return _check_ids_in_vocab("completions", ids, mask, vocab_size), mask
+            raise ValueError(f"{mask_name} row {bad} is not right-padded (a real token follows a padded position)")
+    return _check_ids_in_vocab(ids_name, ids, mask, vocab_size), mask
 
 
 def check_rope_length(model, row_width: int) -> None:
@@ -281,11 +288,23 @@ def split_concatenated(input_ids, attention_mask, logits_to_keep, *, model) -> G
     mask = _check_mask("attention_mask", attention_mask, ids.shape, device)
     check_rope_length(model, ids.shape[1])
     split = ids.shape[1] - logits_to_keep
+    # Errors name the caller's arguments and the columns they are about: the prompt part is everything before the
+    # last logits_to_keep columns.
+    prompt_part = f"[:, :{split}] (the prompt columns, before the last logits_to_keep={logits_to_keep})"
+    completion_part = f"[:, {split}:] (the completion columns, the last logits_to_keep={logits_to_keep})"
     prompt_ids, prompt_mask = normalize_prompts(
-        ids[:, :split], mask[:, :split], device=device, vocab_size=input_vocab_size
+        ids[:, :split],
+        mask[:, :split],
+        device=device,
+        vocab_size=input_vocab_size,
+        names=("input_ids" + prompt_part, "attention_mask" + prompt_part),
     )
     completion_ids, completion_mask = normalize_completions(
-        ids[:, split:], mask[:, split:], device=device, vocab_size=min(input_vocab_size, output_vocab_size)
+        ids[:, split:],
+        mask[:, split:],
+        device=device,
+        vocab_size=min(input_vocab_size, output_vocab_size),
+        names=("input_ids" + completion_part, "attention_mask" + completion_part),
     )
     # Padded prompt positions already hold 0; marking them -1 keeps "pad" distinct from a real token 0.
     unique, group_index = torch.unique(prompt_ids.masked_fill(~prompt_mask, -1), dim=0, return_inverse=True)

@@ -77,6 +77,16 @@ def test_padding_ids_outside_vocab_are_fine_under_the_mask(model):
     assert torch.isfinite(out.logps).all() and (out.logps[1, 1:] == 0).all()
 
 
+ONES = torch.ones(4, 8, dtype=torch.long)
+
+
+def _ones_with_zero(row: int, column: int) -> torch.Tensor:
+    """A (4, 8) int attention mask of ones with one zero."""
+    mask = torch.ones(4, 8, dtype=torch.long)
+    mask[row, column] = 0
+    return mask
+
+
 @pytest.mark.parametrize(
     "args, error, pattern",
     [
@@ -86,6 +96,32 @@ def test_padding_ids_outside_vocab_are_fine_under_the_mask(model):
         (dict(attention_mask=None), ValueError, "attention_mask is required"),
         (dict(attention_mask=torch.ones(4, 7, dtype=torch.bool)), ValueError, "attention_mask has shape"),
         (dict(input_ids=[[1, 2, 3]]), TypeError, "input_ids must be a LongTensor"),
+        # Prompt and completion parts are named as the caller's arguments and columns (no prompt_mask here).
+        (
+            dict(attention_mask=_ones_with_zero(1, 4)),
+            ValueError,
+            r"attention_mask\[:, :5\] \(the prompt columns, before the last logits_to_keep=3\) row 1 does not end",
+        ),
+        (
+            dict(attention_mask=_ones_with_zero(2, 1)),
+            ValueError,
+            r"attention_mask\[:, :5\] \(the prompt columns, .*\) row 2 is not left-padded",
+        ),
+        (
+            dict(attention_mask=_ones_with_zero(3, 5)),
+            ValueError,
+            r"attention_mask\[:, 5:\] \(the completion columns, the last logits_to_keep=3\) row 3 is not right",
+        ),
+        (
+            dict(input_ids=torch.cat([P.repeat_interleave(2, 0), C.clone().fill_(VOCAB)], 1), attention_mask=ONES),
+            ValueError,
+            rf"input_ids\[:, 5:\] \(the completion columns, .*\) holds token id {VOCAB} outside",
+        ),
+        (
+            dict(input_ids=torch.cat([P.repeat_interleave(2, 0).fill_(-1), C], 1), attention_mask=ONES),
+            ValueError,
+            r"input_ids\[:, :5\] \(the prompt columns, .*\) holds token id -1 outside",
+        ),
     ],
 )
 def test_concatenated_bad_input(model, args, error, pattern):

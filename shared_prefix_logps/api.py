@@ -61,7 +61,7 @@ def compute_logps(
         TypeError / ValueError: naming the offending argument, for malformed or inconsistent inputs.
         UnsupportedModelError: for models the shared path cannot serve.
     """
-    check_options(temperature, backend, token_budget)
+    temperature, token_budget = check_options(temperature, backend, token_budget)
     prepared = prepare_model(model)
     batch = group_batch(prompts, completions, prompt_mask, completion_mask, model=prepared)
     return run_batch(
@@ -102,7 +102,7 @@ def compute_logps_concatenated(
     Returns:
         :class:`LogpsOutput` with (N, C) tensors, row i for ``input_ids[i]``.
     """
-    check_options(temperature, backend, token_budget)
+    temperature, token_budget = check_options(temperature, backend, token_budget)
     prepared = prepare_model(model)
     batch = split_concatenated(input_ids, attention_mask, logits_to_keep, model=prepared)
     return run_batch(

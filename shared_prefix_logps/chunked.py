@@ -16,7 +16,7 @@ from torch import nn
 
 from .api import resolve_attention_backend
 from .forward.context import CaptureContext
-from .inputs import check_options, group_batch
+from .inputs import as_int, check_options, group_batch
 from .model import prepare_model
 from .moe_router import RouterStats, router_spec
 from .output import LogpsOutput, result_zeros, write_rows
@@ -75,7 +75,7 @@ def chunked_backward(
         accumulation steps), the chunks as non-boundary micro-steps so that ZeRO accumulates their gradients, the
         last one at the engine's own accumulation boundary. fp16 loss scaling is not supported there.
     """
-    check_options(temperature, backend)
+    temperature, _ = check_options(temperature, backend)
     if backend == "dense":
         raise ValueError("chunked_backward shares the prompt between chunks; backend='dense' cannot")
     if not callable(loss_fn):
@@ -88,8 +88,7 @@ def chunked_backward(
     rows, length = batch.completion_ids.shape
     num_prompts = batch.prompt_ids.shape[0]
     generations = rows // num_prompts
-    if isinstance(generations_per_chunk, bool) or not isinstance(generations_per_chunk, int):
-        raise TypeError(f"generations_per_chunk must be an int, got {type(generations_per_chunk).__name__}")
+    generations_per_chunk = as_int("generations_per_chunk", generations_per_chunk)
     if not 1 <= generations_per_chunk <= generations:
         raise ValueError(f"generations_per_chunk must be in [1, G={generations}], got {generations_per_chunk}")
     backend = resolve_attention_backend(backend, prepared.device)

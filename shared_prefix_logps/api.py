@@ -10,7 +10,7 @@ from .backends.flex import backward_available, flex_available
 from .inputs import GroupedBatch, check_options, group_batch, split_concatenated
 from .model import PreparedModel, prepare_model
 from .moe_router import RouterStats, router_spec
-from .output import LogpsOutput, write_rows
+from .output import LogpsOutput, result_zeros, write_rows
 from .phases import capture_prefix, score_rows, score_rows_routed
 from .token_budget import DEFAULT_TOKEN_BUDGET, ScoringCosts, plan_prompt_batches, plan_row_batches
 
@@ -62,7 +62,7 @@ def compute_logps(
         TypeError / ValueError: naming the offending argument, for malformed or inconsistent inputs.
         UnsupportedModelError: for models the shared path cannot serve.
     """
-    check_options(temperature, backend, token_budget)
+    temperature, token_budget = check_options(temperature, backend, token_budget)
     prepared = prepare_model(model)
     batch = group_batch(prompts, completions, prompt_mask, completion_mask, model=prepared)
     return run_batch(
@@ -103,7 +103,7 @@ def compute_logps_concatenated(
     Returns:
         :class:`LogpsOutput` with (N, C) tensors, row i for ``input_ids[i]``.
     """
-    check_options(temperature, backend, token_budget)
+    temperature, token_budget = check_options(temperature, backend, token_budget)
     prepared = prepare_model(model)
     batch = split_concatenated(input_ids, attention_mask, logits_to_keep, model=prepared)
     return run_batch(
@@ -167,7 +167,7 @@ def run_batch(
     mask = batch.completion_mask
     nothing_valid = not mask.any()
     if nothing_valid and not torch.is_grad_enabled() and top_k is None:
-        logps = torch.zeros(rows, length, device=batch.completion_ids.device)
+        logps = result_zeros(rows, length, device=batch.completion_ids.device)
         return LogpsOutput(logps, torch.zeros_like(logps) if return_entropy else None, mask)
     if nothing_valid:
         # With gradient an all-masked batch still runs the model: its (zero) result must hang off the model's graph
@@ -175,7 +175,7 @@ def run_batch(
         # (every parameter gets a zero gradient; DDP/FSDP see an ordinary forward and backward). Completions with
         # no column at all get one masked column to forward; the result is cut back to the caller's width below.
         batch = batch.with_one_column()
-    logps = torch.zeros(batch.completion_ids.shape, device=batch.completion_ids.device)
+    logps = result_zeros(*batch.completion_ids.shape, device=batch.completion_ids.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
     if backend == "dense":
         part = batch.select_rows(torch.arange(rows, device=logps.device))

@@ -16,10 +16,10 @@ from torch import nn
 
 from .api import resolve_attention_backend
 from .forward.context import CaptureContext
-from .inputs import check_options, group_batch
+from .inputs import as_int, check_options, group_batch
 from .model import prepare_model
 from .moe_router import RouterStats, router_spec
-from .output import LogpsOutput, write_rows
+from .output import LogpsOutput, result_zeros, write_rows
 from .phases import capture_prefix, score_rows, score_rows_routed
 
 
@@ -75,7 +75,7 @@ def chunked_backward(
         accumulation steps), the chunks as non-boundary micro-steps so that ZeRO accumulates their gradients, the
         last one at the engine's own accumulation boundary. fp16 loss scaling is not supported there.
     """
-    check_options(temperature, backend)
+    temperature, _ = check_options(temperature, backend)
     if backend == "dense":
         raise ValueError("chunked_backward shares the prompt between chunks; backend='dense' cannot")
     if not callable(loss_fn):
@@ -88,8 +88,7 @@ def chunked_backward(
     rows, length = batch.completion_ids.shape
     num_prompts = batch.prompt_ids.shape[0]
     generations = rows // num_prompts
-    if isinstance(generations_per_chunk, bool) or not isinstance(generations_per_chunk, int):
-        raise TypeError(f"generations_per_chunk must be an int, got {type(generations_per_chunk).__name__}")
+    generations_per_chunk = as_int("generations_per_chunk", generations_per_chunk)
     if not 1 <= generations_per_chunk <= generations:
         raise ValueError(f"generations_per_chunk must be in [1, G={generations}], got {generations_per_chunk}")
     backend = resolve_attention_backend(backend, prepared.device)
@@ -100,7 +99,7 @@ def chunked_backward(
     leaves = _detached_capture(capture)
     # Whether a backward through the prompt follows the chunks' (it is then the step's last backward).
     prompt_backward = capture is not None and any(t.requires_grad for t in _prompt_results(capture))
-    logps = torch.zeros(rows, length, device=batch.completion_ids.device)
+    logps = result_zeros(rows, length, device=batch.completion_ids.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
     starts = torch.arange(num_prompts, device=logps.device) * generations
     # With no valid token anywhere, autograd of the summed losses still gives every parameter a zero gradient (and
@@ -125,6 +124,8 @@ def chunked_backward(
                 raise TypeError("loss_fn must return a scalar tensor")
             if loss.requires_grad:
                 backward.loss(loss, last=not prompt_backward and first == firsts[-1])
+            elif part.completion_mask.any():  # skipping its backward would leave these rows' gradient out unseen
+                raise _loss_without_grad(chunk_rows, chunk_out.logps.requires_grad)
             detached = chunk_out.detach()
             write_rows(logps, entropy, chunk_rows, (detached.logps, detached.entropy))
             del chunk_out, loss
@@ -141,6 +142,18 @@ def chunked_backward(
             num_experts,
         )
     return out
+
+
+def _loss_without_grad(chunk_rows: torch.Tensor, logps_need_grad: bool) -> RuntimeError:
+    """The error for a chunk with valid tokens whose loss does not require grad (``loss.backward()`` raises too)."""
+    rows = chunk_rows.tolist()
+    shown = ", ".join(map(str, rows[:8])) + (", ..." if len(rows) > 8 else "")
+    cause = (
+        "loss_fn detached it or returned a constant; build the loss from chunk_out's tensors"
+        if logps_need_grad
+        else "the chunk's log-probs carry no gradient (no parameter of the model requires grad)"
+    )
+    return RuntimeError(f"the loss of the chunk of rows [{shown}] has valid tokens but does not require grad: {cause}")
 
 
 def _detached_capture(capture: CaptureContext | None) -> CaptureContext | None:
@@ -184,7 +197,7 @@ def _score_chunk(
     With ``top_k`` (router statistics) the output carries the chunk rows' :class:`RouterStats`.
     """
     chunk_rows = part.completion_ids.shape[0]
-    logps = torch.zeros(chunk_rows, length, device=part.completion_ids.device)
+    logps = result_zeros(chunk_rows, length, device=part.completion_ids.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
     stats = None
     if score_empty or part.completion_mask.any():

@@ -8,6 +8,7 @@ completion row the index of its prompt.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,18 +93,49 @@ class GroupedBatch:
 ATTENTION_BACKENDS = ("auto", "expand", "flex", "dense")
 
 
-def check_options(temperature, backend, token_budget=None) -> None:
-    """Validate the options shared by the entry points."""
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
-        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+def as_number(name: str, value) -> float:
+    """``value`` as a Python float: an int or float, a numpy scalar (``np.float32``, ``np.int64``), or a 0-d real
+    tensor without gradient. Bools and anything else raise TypeError naming ``name``."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype == torch.bool or value.dtype.is_complex:
+            raise TypeError(f"{name} must be a number, got a tensor of shape {tuple(value.shape)} ({value.dtype})")
+        if value.requires_grad:
+            raise TypeError(f"{name} must be a constant number; a tensor that requires grad would lose its gradient")
+        return float(value.item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy registers its scalars as Real
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    return float(value)
+
+
+def as_int(name: str, value) -> int:
+    """``value`` as a Python int: an int, a numpy integer, or a 0-d integer tensor. Bools, floats (even whole) and
+    anything else raise TypeError naming ``name``."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be an int, got a tensor of shape {tuple(value.shape)} ({value.dtype})")
+        return int(value.item())
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
+def check_options(temperature, backend, token_budget=None) -> tuple[float, int | None]:
+    """Validate the options shared by the entry points; return ``(temperature, token_budget)`` as a Python float and
+    a Python int or None (numpy scalars and 0-d tensors are accepted wherever a number is)."""
+    temperature = as_number("temperature", temperature)
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be positive and finite, got {temperature}")
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"backend must be one of {ATTENTION_BACKENDS}, got {backend!r}")
-    if token_budget is not None and (
-        isinstance(token_budget, bool) or not isinstance(token_budget, int) or token_budget < 1
-    ):
-        raise ValueError(f"token_budget must be a positive int or None, got {token_budget!r}")
+    if token_budget is not None:
+        try:
+            budget = as_int("token_budget", token_budget)
+        except TypeError:
+            budget = 0
+        if budget < 1:
+            raise ValueError(f"token_budget must be a positive int or None, got {token_budget!r}")
+        token_budget = budget
+    return temperature, token_budget
 
 
 def _as_id_tensor(name: str, value, device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -122,8 +154,11 @@ def _as_id_tensor(name: str, value, device) -> tuple[torch.Tensor, torch.Tensor 
             row = row.tolist()
         if isinstance(row, (str, bytes)) or not isinstance(row, Sequence):
             raise TypeError(f"{name}[{i}] must be a list of token ids, got {type(row).__name__}")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in row):
-            raise TypeError(f"{name}[{i}] must contain only integer token ids")
+        if not all(type(t) is int for t in row):  # plain ints, the common case, are checked fast
+            try:
+                row = [as_int(name, t) for t in row]  # numpy integers, 0-d integer tensors
+            except TypeError:
+                raise TypeError(f"{name}[{i}] must contain only integer token ids") from None
         rows.append(row)
     return None, rows
 
@@ -166,9 +201,13 @@ def _check_ids_in_vocab(name: str, ids: torch.Tensor, mask: torch.Tensor, vocab_
     return ids.masked_fill(~mask, 0)
 
 
-def normalize_prompts(prompts, prompt_mask, *, device, vocab_size) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded (num_prompts, P) int64 ids with their (num_prompts, P) bool mask."""
-    ids, rows = _as_id_tensor("prompts", prompts, device)
+def normalize_prompts(
+    prompts, prompt_mask, *, device, vocab_size, names=("prompts", "prompt_mask")
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded (num_prompts, P) int64 ids with their (num_prompts, P) bool mask. ``names``: what errors call the
+    ids and the mask (the caller's arguments)."""
+    ids_name, mask_name = names
+    ids, rows = _as_id_tensor(ids_name, prompts, device)
     if ids is None:
         if prompt_mask is not None:
             raise ValueError("prompt_mask must be None when prompts is a list of token-id lists")
@@ -184,22 +223,25 @@ def normalize_prompts(prompts, prompt_mask, *, device, vocab_size) -> tuple[torc
         mask = (
             torch.ones_like(ids, dtype=torch.bool)
             if prompt_mask is None
-            else _check_mask("prompt_mask", prompt_mask, ids.shape, device)
+            else _check_mask(mask_name, prompt_mask, ids.shape, device)
         )
         if not mask[:, -1].all():
             bad = int((~mask[:, -1]).nonzero()[0])
             raise ValueError(
-                f"prompt_mask row {bad} does not end with a real token: prompts must be left-padded and non-empty"
+                f"{mask_name} row {bad} does not end with a real token: prompts must be left-padded and non-empty"
             )
         if (mask[:, 1:] < mask[:, :-1]).any():
             bad = int((mask[:, 1:] < mask[:, :-1]).any(1).nonzero()[0])
-            raise ValueError(f"prompt_mask row {bad} is not left-padded (a padded position follows a real token)")
-    return _check_ids_in_vocab("prompts", ids, mask, vocab_size), mask
+            raise ValueError(f"{mask_name} row {bad} is not left-padded (a padded position follows a real token)")
+    return _check_ids_in_vocab(ids_name, ids, mask, vocab_size), mask
 
 
-def normalize_completions(completions, completion_mask, *, device, vocab_size) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded (rows, C) int64 ids with their (rows, C) bool mask."""
-    ids, rows = _as_id_tensor("completions", completions, device)
+def normalize_completions(
+    completions, completion_mask, *, device, vocab_size, names=("completions", "completion_mask")
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (rows, C) int64 ids with their (rows, C) bool mask. ``names`` as for :func:`normalize_prompts`."""
+    ids_name, mask_name = names
+    ids, rows = _as_id_tensor(ids_name, completions, device)
     if ids is None:
         if completion_mask is not None:
             raise ValueError("completion_mask must be None when completions is a list of token-id lists")
@@ -212,12 +254,12 @@ def normalize_completions(completions, completion_mask, *, device, vocab_size) -
         mask = (
             torch.ones_like(ids, dtype=torch.bool)
             if completion_mask is None
-            else _check_mask("completion_mask", completion_mask, ids.shape, device)
+            else _check_mask(mask_name, completion_mask, ids.shape, device)
         )
         if (mask[:, 1:] > mask[:, :-1]).any():
             bad = int((mask[:, 1:] > mask[:, :-1]).any(1).nonzero()[0])
-            raise ValueError(f"completion_mask row {bad} is not right-padded (a real token follows a padded position)")
-    return _check_ids_in_vocab("completions", ids, mask, vocab_size), mask
+            raise ValueError(f"{mask_name} row {bad} is not right-padded (a real token follows a padded position)")
+    return _check_ids_in_vocab(ids_name, ids, mask, vocab_size), mask
 
 
 def check_rope_length(model, row_width: int) -> None:
@@ -267,8 +309,7 @@ def split_concatenated(input_ids, attention_mask, logits_to_keep, *, model) -> G
     ids, rows = _as_id_tensor("input_ids", input_ids, device)
     if ids is None:
         raise TypeError("input_ids must be a LongTensor (rows, prompt_len + completion_len)")
-    if not isinstance(logits_to_keep, int) or isinstance(logits_to_keep, bool):
-        raise TypeError(f"logits_to_keep must be an int, got {type(logits_to_keep).__name__}")
+    logits_to_keep = as_int("logits_to_keep", logits_to_keep)
     if ids.shape[0] == 0:
         raise ValueError("input_ids is empty")
     if not 1 <= logits_to_keep < ids.shape[1]:
@@ -281,11 +322,23 @@ def split_concatenated(input_ids, attention_mask, logits_to_keep, *, model) -> G
     mask = _check_mask("attention_mask", attention_mask, ids.shape, device)
     check_rope_length(model, ids.shape[1])
     split = ids.shape[1] - logits_to_keep
+    # Errors name the caller's arguments and the columns they are about: the prompt part is everything before the
+    # last logits_to_keep columns.
+    prompt_part = f"[:, :{split}] (the prompt columns, before the last logits_to_keep={logits_to_keep})"
+    completion_part = f"[:, {split}:] (the completion columns, the last logits_to_keep={logits_to_keep})"
     prompt_ids, prompt_mask = normalize_prompts(
-        ids[:, :split], mask[:, :split], device=device, vocab_size=input_vocab_size
+        ids[:, :split],
+        mask[:, :split],
+        device=device,
+        vocab_size=input_vocab_size,
+        names=("input_ids" + prompt_part, "attention_mask" + prompt_part),
     )
     completion_ids, completion_mask = normalize_completions(
-        ids[:, split:], mask[:, split:], device=device, vocab_size=min(input_vocab_size, output_vocab_size)
+        ids[:, split:],
+        mask[:, split:],
+        device=device,
+        vocab_size=min(input_vocab_size, output_vocab_size),
+        names=("input_ids" + completion_part, "attention_mask" + completion_part),
     )
     # Padded prompt positions already hold 0; marking them -1 keeps "pad" distinct from a real token 0.
     unique, group_index = torch.unique(prompt_ids.masked_fill(~prompt_mask, -1), dim=0, return_inverse=True)

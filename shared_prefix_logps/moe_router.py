@@ -91,16 +91,16 @@ def token_sums(router_logits, token_index: torch.Tensor, owner: torch.Tensor, ow
         raise ValueError("the model returned no router logits although output_router_logits=True was passed")
     num_experts = router_logits[0].shape[-1]
     device = router_logits[0].device
-    counts = torch.zeros(owners, num_experts, device=device)
-    probs = torch.zeros(owners, num_experts, device=device)
+    counts = torch.zeros(owners, num_experts, dtype=torch.float32, device=device)
+    probs = torch.zeros(owners, num_experts, dtype=torch.float32, device=device)
     token_index, owner = token_index.to(device), owner.to(device)
     for layer_logits in router_logits:
         # As the model's loss: softmax in the logits' dtype, top-k of the probabilities, float32 sums.
         weights = torch.softmax(layer_logits.index_select(0, token_index), dim=-1)
         _, picked = torch.topk(weights, top_k, dim=-1)
         with torch.no_grad():
-            hits = torch.zeros(owner.numel(), num_experts, device=device).scatter_add_(
-                1, picked, torch.ones(picked.shape, device=device)
+            hits = torch.zeros(owner.numel(), num_experts, dtype=torch.float32, device=device).scatter_add_(
+                1, picked, torch.ones(picked.shape, dtype=torch.float32, device=device)
             )
             counts.index_add_(0, owner, hits)
         probs = probs.index_add(0, owner, weights.float())

@@ -37,6 +37,13 @@ class LogpsOutput:
         )
 
 
+def result_zeros(*shape: int, device) -> torch.Tensor:
+    """float32 zeros of ``shape`` on ``device``, to write row results into. The dtype is explicit: under
+    ``torch.set_default_dtype(torch.float64)`` plain ``torch.zeros`` would make the outputs float64 and refuse the
+    float32 results written into them."""
+    return torch.zeros(*shape, dtype=torch.float32, device=device)
+
+
 def write_rows(logps, entropy, rows, values) -> None:
     """Write (len(rows), c) results into the first c columns of ``rows`` (differentiably)."""
     part_logps, part_entropy = values

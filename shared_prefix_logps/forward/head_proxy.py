@@ -4,8 +4,6 @@ Module hooks of FSDP/ZeRO fire around it as around the original forward."""
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import nn
 
@@ -18,23 +16,74 @@ HEAD_CHUNK_ROWS: int | None = None
 
 
 def install_head_proxy(lm_head: nn.Module) -> None:
-    if getattr(lm_head, "_shared_prefix_original_forward", None) is not None:
+    """Make ``lm_head``'s forward (on the instance) a :class:`HeadProxy`; nothing if it already has one."""
+    if isinstance(getattr(lm_head, _PROXY_ATTRIBUTE, None), HeadProxy):
         return
-    lm_head._shared_prefix_original_forward = lm_head.forward
-    lm_head.forward = types.MethodType(_lm_head_proxy_forward, lm_head)
+    # An instance-level forward (accelerate's hooks install one) is kept; otherwise the class's forward runs.
+    proxy = HeadProxy(lm_head, lm_head.__dict__.get("forward"))
+    # Also under its own name: a wrapper may later replace ``forward`` around the proxy (TRL's float32 head).
+    setattr(lm_head, _PROXY_ATTRIBUTE, proxy)
+    lm_head.forward = proxy
 
 
-def _lm_head_proxy_forward(self, hidden_states, *args, **kwargs):
-    """lm_head forward inside the model's forward: full logits normally, fused log-probs inside Phase 2."""
+#: Attribute of the lm_head holding its :class:`HeadProxy`.
+_PROXY_ATTRIBUTE = "_shared_prefix_head_proxy"
+
+
+class HeadProxy:
+    """The lm_head's ``forward`` on the instance: fused log-probs in Phase 2, nothing in Phase 1, the module's own
+    forward otherwise.
+
+    An object rather than a bound method so that the model stays picklable (``torch.save``, multiprocessing and Ray
+    arguments): pickle stores a bound method as "look the name up on the instance", which the loaded module does
+    not have. It holds the module and the forward it replaced, both picklable, and ``copy.deepcopy`` rebinds it to
+    the copy.
+
+    Attributes:
+        module: the lm_head it serves.
+        original: the instance-level forward the module had before (None: its class's ``forward``).
+    """
+
+    def __init__(self, module: nn.Module, original=None):
+        self.module = module
+        self.original = original
+
+    def original_forward(self, hidden_states, *args, **kwargs):
+        """The module's own forward: full logits."""
+        if self.original is not None:
+            return self.original(hidden_states, *args, **kwargs)
+        return type(self.module).forward(self.module, hidden_states, *args, **kwargs)
+
+    def __call__(self, hidden_states, *args, **kwargs):
+        return _lm_head_proxy_forward(self, hidden_states, *args, **kwargs)
+
+    def __setstate__(self, state):
+        # Unpickled: the model it belongs to was prepared, perhaps in another process, and its config may name the
+        # shared-prefix attention, which this process's registry must then hold before the model's next forward.
+        self.__dict__.update(state)
+        from ..model.installation import register_eager_name
+
+        register_eager_name()
+
+
+def _lm_head_proxy_forward(proxy: HeadProxy, hidden_states, *args, **kwargs):
+    """lm_head forward inside the model's forward: full logits normally, fused log-probs inside Phase 2.
+
+    A module that is not the head of the running phase or check (a head PEFT wrapped after first use keeps its proxy
+    inside the wrapper, which calls it) runs its own forward: only the head the phase was prepared with computes."""
+    self = proxy.module
     context = active_context()
     if context is None:
-        return self._shared_prefix_original_forward(hidden_states, *args, **kwargs)
+        return proxy.original_forward(hidden_states, *args, **kwargs)
     if isinstance(context, HeadCheckContext):
-        logits = self._shared_prefix_original_forward(hidden_states, *args, **kwargs)
-        context.calls += 1
-        with torch.no_grad():
-            context.fused_logits = fused_logits(self, context.spec, hidden_states)
+        logits = proxy.original_forward(hidden_states, *args, **kwargs)
+        if context.spec.lm_head is self:
+            context.calls += 1
+            with torch.no_grad():
+                context.fused_logits = fused_logits(self, context.spec, hidden_states)
         return logits
+    if isinstance(context, SharedContext) and context.head_spec.lm_head is not self:
+        return proxy.original_forward(hidden_states, *args, **kwargs)
     # Neither phase returns logits: the model gets a tensor of the right rank with an empty vocabulary axis, for any
     # post-processing it applies. It is a view of the hidden states, so gradient reaching the model's output flows
     # on into the model (wrappers' backward hooks fire on the way), and DDP's unused-parameter search walks it.

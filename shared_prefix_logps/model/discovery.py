@@ -55,6 +55,7 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     while seen < 8:
         seen += 1
         if hasattr(model, "get_base_model") and callable(model.get_base_model):  # PEFT
+            _refuse_prompt_learning(model)
             model = model.get_base_model()
         elif hasattr(model, "_orig_mod"):  # torch.compile
             model = model._orig_mod
@@ -70,6 +71,24 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
             f"{type(model).__name__}"
         )
     return model
+
+
+def _refuse_prompt_learning(peft_model: nn.Module) -> None:
+    """PEFT prompt learning (prompt tuning, prefix tuning, p-tuning, ...) adds virtual tokens in the PEFT model's own
+    forward: embeddings before every row or keys/values before every layer's, with positions ignored. The phases'
+    rows, positions and prefix keys/values would not be the ones the model attends over."""
+    configs = getattr(peft_model, "peft_config", None)
+    if not isinstance(configs, dict):
+        return
+    for name, config in configs.items():
+        if getattr(config, "is_prompt_learning", False):
+            kind = getattr(config, "peft_type", None)
+            kind = getattr(kind, "value", kind)
+            raise UnsupportedModelError(
+                f"PEFT prompt learning ({kind}, adapter {name!r}) is not supported: its virtual tokens enter every "
+                "row inside the PEFT model's forward, which the shared prompt pass cannot reproduce. Use an adapter "
+                "that changes weights (LoRA and its relatives) or score the base model"
+            )
 
 
 def check_supported(model: nn.Module) -> nn.Module:
@@ -170,8 +189,31 @@ def head_spec(causal_lm) -> HeadSpec:
         )
     config = causal_lm.config
     scale = 1.0
-    if getattr(config, "logit_scale", None) is not None:  # Cohere-style: logits * logit_scale
-        scale *= float(config.logit_scale)
+    logit_scale = _logit_scale(causal_lm)
+    if logit_scale is not None:  # Cohere-style: logits * logit_scale
+        scale *= logit_scale
     if getattr(config, "logits_scaling", None) is not None:  # Granite-style: logits / logits_scaling
         scale /= float(config.logits_scaling)
     return HeadSpec(lm_head=lm_head, scale=scale, softcap=getattr(config, "final_logit_softcapping", None))
+
+
+def _logit_scale(causal_lm) -> float | None:
+    """The Cohere-style factor the model's forward multiplies its logits by, or None.
+
+    Cohere's forward multiplies by the instance attribute ``logit_scale``, copied from the config at construction: a
+    caller who sets the attribute afterwards changes the model's logits and not its config, so the attribute, where
+    the instance has one, is what counts. A model without it that carries ``config.logit_scale`` gets the config's
+    (its class may ignore it: the head check then refuses the model)."""
+    value = getattr(causal_lm, "logit_scale", None)
+    if value is None:
+        value = getattr(causal_lm.config, "logit_scale", None)
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.requires_grad:
+            raise UnsupportedModelError(
+                f"{type(causal_lm).__name__}.logit_scale is a tensor of shape {tuple(value.shape)}"
+                f"{' that requires grad' if value.requires_grad else ''}; the fused head takes a constant scale"
+            )
+        return float(value.item())
+    return float(value)

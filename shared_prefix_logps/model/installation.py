@@ -39,9 +39,8 @@ def install_attention(causal_lm) -> None:
     if current in (None, "eager"):
         # Modeling files call their own eager function without consulting the registry, so the model is switched
         # to a name that encodes "eager" (see attention.implementation_name).
-        name = attention.implementation_name("eager")
-        _register(AttentionInterface, AttentionMaskInterface, name)
-        causal_lm.set_attn_implementation(name)
+        register_eager_name()
+        causal_lm.set_attn_implementation(attention.implementation_name("eager"))
         return
     if not isinstance(current, str) or current.startswith("paged|") or current not in ALL_ATTENTION_FUNCTIONS:
         raise UnsupportedModelError(
@@ -53,6 +52,16 @@ def install_attention(causal_lm) -> None:
     AttentionInterface.register(current, attention.intercepting(ALL_ATTENTION_FUNCTIONS[current]))
     if current in ALL_MASK_ATTENTION_FUNCTIONS:
         AttentionMaskInterface.register(current, _intercepting_mask(ALL_MASK_ATTENTION_FUNCTIONS[current]))
+
+
+def register_eager_name() -> None:
+    """Register the name an eager model's config is switched to (the only name :func:`install_attention` writes into
+    a config). A prepared model loaded in another process (``torch.load``, multiprocessing, Ray) carries that name in
+    its config, and transformers looks it up in the registry on every forward, plain ones included."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    _register(AttentionInterface, AttentionMaskInterface, attention.implementation_name("eager"))
 
 
 def _intercepting_mask(original):

@@ -205,15 +205,43 @@ def test_deepspeed_engine_refusals(stub_deepspeed):
     loss_fn = lambda out, rows: out.logps.sum()
     with pytest.raises(NotImplementedError, match="fp16"):
         chunked_backward(_StubEngine(model, fp16=True), prompts, comps, loss_fn, **kwargs)
-    # Only the head trains, so no backward through the prompt follows the chunks; the last chunk's loss is constant.
+    # Only the head trains, so no backward through the prompt follows the chunks; the last chunk (rows 1 and 3) has
+    # no valid token, so its loss is a constant and it has no backward to run at the boundary.
     for name, param in model.named_parameters():
         param.requires_grad_(name.startswith("lm_head"))
     engine = _StubEngine(model)
-    constant_last = lambda out, rows: out.logps.sum() if rows.min() == 0 else torch.zeros(())
+    cmask[[1, 3]] = False
     with pytest.raises(RuntimeError, match="accumulation boundary"):
-        chunked_backward(engine, prompts, comps, constant_last, **kwargs)
+        chunked_backward(engine, prompts, comps, loss_fn, **kwargs)
     assert engine._is_gradient_accumulation_boundary is None
     # Parameters a DeepSpeed engine manages, passed without the engine.
     model.lm_head.weight.ds_id = 0
     with pytest.raises(ValueError, match="pass the engine itself"):
         chunked_backward(model, prompts, comps, loss_fn, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "loss_fn",
+    [lambda out, rows: out.logps.sum().detach(), lambda out, rows: torch.tensor(0.0)],
+    ids=["detached", "constant"],
+)
+def test_loss_without_grad_is_refused_not_skipped(loss_fn):
+    """A chunk with valid tokens whose loss does not require grad: ``loss.backward()`` would raise, so skipping that
+    chunk's backward would leave every parameter without its gradient and say nothing."""
+    model = build_model("llama")
+    prompts, pmask, comps, cmask = make_batch(2, 2, prompt_len=5, completion_len=3)
+    with pytest.raises(RuntimeError, match=r"chunk of rows \[0, 2\] has valid tokens but does not require grad"):
+        chunked_backward(
+            model, prompts, comps, loss_fn, generations_per_chunk=1, prompt_mask=pmask, completion_mask=cmask
+        )
+    model.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="no parameter of the model requires grad"):
+        chunked_backward(
+            model,
+            prompts,
+            comps,
+            lambda o, r: o.logps.sum(),
+            generations_per_chunk=1,
+            prompt_mask=pmask,
+            completion_mask=cmask,
+        )

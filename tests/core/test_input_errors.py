@@ -77,6 +77,16 @@ def test_padding_ids_outside_vocab_are_fine_under_the_mask(model):
     assert torch.isfinite(out.logps).all() and (out.logps[1, 1:] == 0).all()
 
 
+ONES = torch.ones(4, 8, dtype=torch.long)
+
+
+def _ones_with_zero(row: int, column: int) -> torch.Tensor:
+    """A (4, 8) int attention mask of ones with one zero."""
+    mask = torch.ones(4, 8, dtype=torch.long)
+    mask[row, column] = 0
+    return mask
+
+
 @pytest.mark.parametrize(
     "args, error, pattern",
     [
@@ -86,6 +96,32 @@ def test_padding_ids_outside_vocab_are_fine_under_the_mask(model):
         (dict(attention_mask=None), ValueError, "attention_mask is required"),
         (dict(attention_mask=torch.ones(4, 7, dtype=torch.bool)), ValueError, "attention_mask has shape"),
         (dict(input_ids=[[1, 2, 3]]), TypeError, "input_ids must be a LongTensor"),
+        # Prompt and completion parts are named as the caller's arguments and columns (no prompt_mask here).
+        (
+            dict(attention_mask=_ones_with_zero(1, 4)),
+            ValueError,
+            r"attention_mask\[:, :5\] \(the prompt columns, before the last logits_to_keep=3\) row 1 does not end",
+        ),
+        (
+            dict(attention_mask=_ones_with_zero(2, 1)),
+            ValueError,
+            r"attention_mask\[:, :5\] \(the prompt columns, .*\) row 2 is not left-padded",
+        ),
+        (
+            dict(attention_mask=_ones_with_zero(3, 5)),
+            ValueError,
+            r"attention_mask\[:, 5:\] \(the completion columns, the last logits_to_keep=3\) row 3 is not right",
+        ),
+        (
+            dict(input_ids=torch.cat([P.repeat_interleave(2, 0), C.clone().fill_(VOCAB)], 1), attention_mask=ONES),
+            ValueError,
+            rf"input_ids\[:, 5:\] \(the completion columns, .*\) holds token id {VOCAB} outside",
+        ),
+        (
+            dict(input_ids=torch.cat([P.repeat_interleave(2, 0).fill_(-1), C], 1), attention_mask=ONES),
+            ValueError,
+            r"input_ids\[:, :5\] \(the prompt columns, .*\) holds token id -1 outside",
+        ),
     ],
 )
 def test_concatenated_bad_input(model, args, error, pattern):
@@ -137,3 +173,66 @@ def test_attention_softcap_under_sdpa_is_refused():
     model.config._attn_implementation_internal = "sdpa"
     with pytest.raises(UnsupportedModelError, match="attn_implementation='eager'"):
         compute_logps(model, P, C)
+
+
+def test_numpy_and_tensor_scalars_are_accepted_wherever_a_number_is(model):
+    """Trainers hand over numpy scalars (configs loaded with numpy, ``np.int64`` lengths) and 0-d tensors: each gives
+    exactly what the same Python number gives."""
+    np = pytest.importorskip("numpy")
+    completions = C.clone()
+    ids, mask = torch.cat([P.repeat_interleave(2, 0), completions], 1), torch.ones(4, 8, dtype=torch.long)
+    with torch.no_grad():
+        for temperature in (np.float32(0.7), np.float64(0.7), np.int64(2), torch.tensor(0.5), torch.tensor(2)):
+            reference = compute_logps(model, P, completions, temperature=float(temperature)).logps
+            assert torch.equal(compute_logps(model, P, completions, temperature=temperature).logps, reference)
+        reference = compute_logps(model, P, completions, token_budget=16).logps
+        for budget in (np.int64(16), np.int32(16), torch.tensor(16)):
+            assert torch.equal(compute_logps(model, P, completions, token_budget=budget).logps, reference)
+        reference = compute_logps_concatenated(model, ids, mask, 3).logps
+        for keep in (np.int64(3), torch.tensor(3)):
+            assert torch.equal(compute_logps_concatenated(model, ids, mask, keep).logps, reference)
+        lists = [[int(t) for t in row] for row in P]
+        reference = compute_logps(model, lists, completions.tolist()).logps
+        numpy_ids = [[np.int64(t) for t in row] for row in lists]
+        tensor_ids = [[torch.tensor(t) for t in row] for row in lists]
+        for prompts in (numpy_ids, tensor_ids):
+            assert torch.equal(compute_logps(model, prompts, completions.tolist()).logps, reference)
+
+    from shared_prefix_logps import chunked_backward
+
+    loss_fn = lambda out, rows: out.logps.sum()  # noqa: E731
+    model.zero_grad(set_to_none=True)
+    chunked_backward(model, P, completions, loss_fn, generations_per_chunk=1)
+    reference = [p.grad.clone() for p in model.parameters()]
+    for chunk in (np.int64(1), torch.tensor(1)):
+        model.zero_grad(set_to_none=True)
+        chunked_backward(model, P, completions, loss_fn, generations_per_chunk=chunk, temperature=np.float32(1.0))
+        assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), reference))
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        (dict(temperature=torch.tensor(0.7, requires_grad=True)), "temperature must be a constant number"),
+        (dict(temperature=torch.tensor([0.7])), r"temperature must be a number, got a tensor of shape \(1,\)"),
+        (dict(temperature=torch.tensor(True)), "temperature must be a number"),
+        (dict(temperature=True), "temperature must be a number"),
+        (dict(completions=[[1, 2], [torch.tensor(1.0)]] * 2), r"completions\[1\] must contain only integer"),
+    ],
+)
+def test_scalars_that_are_not_numbers_are_refused(model, kwargs, pattern):
+    args = dict(prompts=P, completions=C)
+    args.update(kwargs)
+    with pytest.raises(TypeError, match=pattern):
+        compute_logps(model, args.pop("prompts"), args.pop("completions"), **args)
+
+
+def test_float_scalars_are_not_counts(model):
+    np = pytest.importorskip("numpy")
+    ids, mask = torch.cat([P.repeat_interleave(2, 0), C], 1), torch.ones(4, 8, dtype=torch.long)
+    for keep in (np.float64(3.0), torch.tensor(3.0)):
+        with pytest.raises(TypeError, match="logits_to_keep must be an int"):
+            compute_logps_concatenated(model, ids, mask, keep)
+    with pytest.raises(ValueError, match="token_budget must be a positive int"):
+        compute_logps(model, P, C, token_budget=np.float64(16.0))

@@ -10,7 +10,7 @@ from shared_prefix_logps import compute_logps
 def weighted_loss(out, seed: int = 1):
     """A loss that weights every position differently, so a gradient routed to the wrong token shows."""
     gen = torch.Generator().manual_seed(seed)
-    w = torch.randn(out.logps.shape, generator=gen).to(out.logps.device)
+    w = torch.randn(out.logps.shape, generator=gen, dtype=torch.float32).to(out.logps.device)
     loss = (out.logps * w).sum()
     if out.entropy is not None:
         loss = loss + (out.entropy * w.flip(0)).sum()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ...inputs import as_int
+
 
 def layout_problem(input_ids, attention_mask, logits_to_keep) -> str | None:
     """Why a trainer-shaped batch is not ``[left-padded prompt | right-padded completion]``, or None if it is.
@@ -15,7 +17,9 @@ def layout_problem(input_ids, attention_mask, logits_to_keep) -> str | None:
         return "input_ids is not a 2-D integer tensor"
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
         return "attention_mask is missing or not shaped like input_ids"
-    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int):
+    try:
+        logits_to_keep = as_int("logits_to_keep", logits_to_keep)  # numpy and 0-d tensor integers too
+    except TypeError:
         return "logits_to_keep is not an int"
     if not 1 <= logits_to_keep < input_ids.shape[1]:
         return "no prompt columns (logits_to_keep covers the whole row)"

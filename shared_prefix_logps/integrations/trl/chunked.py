@@ -42,6 +42,7 @@ import torch
 from ...api import compute_logps_concatenated
 from ...chunked import chunked_backward
 from ...moe_router import RouterStats
+from ...output import result_zeros
 from ..common.ddp import average_gradients, unwrap_ddp
 from ..common.modules import AutocastForward, dropout_active
 from ..common.patching import instance_attribute
@@ -248,7 +249,7 @@ class ChunkedStep:
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
         scale = 1.0 / accelerator.gradient_accumulation_steps  # 1 under Trainer; accelerate would divide by it
         scaler = getattr(accelerator, "scaler", None)  # fp16: scale every chunk's loss, as accelerate.backward does
-        logps = torch.zeros(completion_ids.shape, device=completion_ids.device)
+        logps = result_zeros(*completion_ids.shape, device=completion_ids.device)
         entropies = torch.zeros_like(logps)
         total = torch.zeros((), dtype=torch.float64, device=completion_ids.device)
         if patch.lockstep is not None:

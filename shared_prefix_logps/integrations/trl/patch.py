@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ...inputs import as_int
 from ...model import prepare_model
 from ..common.lockstep import Lockstep
 from ..common.patching import Unpatched, replace_attribute, restore_attributes
@@ -95,8 +96,7 @@ def patch_grpo_trainer(
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if backend not in ("auto", "expand", "flex"):
         raise ValueError(f"backend must be 'auto', 'expand' or 'flex', got {backend!r}")
-    if isinstance(generations_per_chunk, bool) or not isinstance(generations_per_chunk, int):
-        raise TypeError(f"generations_per_chunk must be an int, got {type(generations_per_chunk).__name__}")
+    generations_per_chunk = as_int("generations_per_chunk", generations_per_chunk)
     if generations_per_chunk < 1:
         raise ValueError(f"generations_per_chunk must be >= 1, got {generations_per_chunk}")
     for name in ("_get_per_token_logps_and_entropies", "temperature", "accelerator", "args", "model"):

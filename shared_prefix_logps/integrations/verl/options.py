@@ -22,6 +22,7 @@ nothing else, and the module is imported in every worker process, so the options
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -74,6 +75,13 @@ def _mode(environ) -> bool:
     return mode == "logps"
 
 
+def _backend(environ) -> str:
+    value = environ.get("SHARED_PREFIX_LOGPS_BACKEND", "").strip().lower() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(f"SHARED_PREFIX_LOGPS_BACKEND must be one of {BACKENDS}, got {value!r}")
+    return value
+
+
 def _flag(environ, name: str, default: bool) -> bool:
     value = environ.get(name, "").strip().lower()
     if not value:
@@ -85,17 +93,48 @@ def _flag(environ, name: str, default: bool) -> bool:
     raise ValueError(f"{name} must be one of {_TRUE + _FALSE}, got {value!r}")
 
 
+def _whole_number(environ, name: str, minimum: int) -> int | None:
+    """The integer ``>= minimum`` variable ``name`` holds; None when unset."""
+    value = environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        number = int(value)
+    except ValueError:
+        number = None
+    if number is None or number < minimum:
+        raise ValueError(f"{name} must be a whole number >= {minimum} written in digits (e.g. 65536), got {value!r}")
+    return number
+
+
+def _tolerance(environ) -> tuple[float, float] | None:
+    """``(max_abs, mean_abs)`` from ``SHARED_PREFIX_LOGPS_TOLERANCE``; None when unset."""
+    name = "SHARED_PREFIX_LOGPS_TOLERANCE"
+    value = environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        bounds = tuple(float(part) for part in value.split(","))
+    except ValueError:
+        bounds = ()
+    if len(bounds) != 2 or not all(math.isfinite(bound) and bound >= 0 for bound in bounds):
+        raise ValueError(f"{name} must be two non-negative numbers max_abs,mean_abs (e.g. 1e-2,1e-3), got {value!r}")
+    return bounds
+
+
 def options_from_environment(environ=None) -> VerlOptions:
-    """The options the ``SHARED_PREFIX_LOGPS*`` variables of ``environ`` (default ``os.environ``) ask for."""
+    """The options the ``SHARED_PREFIX_LOGPS*`` variables of ``environ`` (default ``os.environ``) ask for.
+
+    Raises:
+        ValueError: naming the variable and the form it accepts.
+    """
     environ = os.environ if environ is None else environ
-    budget = environ.get("SHARED_PREFIX_LOGPS_TOKEN_BUDGET", "").strip()
-    tolerance = environ.get("SHARED_PREFIX_LOGPS_TOLERANCE", "").strip()
-    log_every = environ.get("SHARED_PREFIX_LOGPS_LOG_EVERY", "").strip()
+    log_every = _whole_number(environ, "SHARED_PREFIX_LOGPS_LOG_EVERY", 0)
     return VerlOptions(
         enabled=_mode(environ),
-        backend=environ.get("SHARED_PREFIX_LOGPS_BACKEND", "auto").strip().lower() or "auto",
+        backend=_backend(environ),
         self_check=_flag(environ, "SHARED_PREFIX_LOGPS_SELF_CHECK", True),
-        token_budget=int(budget) if budget else None,
-        tolerance=tuple(float(x) for x in tolerance.split(",")) if tolerance else None,
-        log_every=int(log_every) if log_every else 0,
+        token_budget=_whole_number(environ, "SHARED_PREFIX_LOGPS_TOKEN_BUDGET", 1),
+        tolerance=_tolerance(environ),
+        log_every=0 if log_every is None else log_every,
     )

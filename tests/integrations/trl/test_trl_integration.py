@@ -519,3 +519,22 @@ def test_chunked_self_check_catches_a_wrong_loss_after_a_zero_gradient_micro_bat
     with pytest.raises(SelfCheckError, match="does not reproduce TRL"):
         trainer.train()
     assert trainer.state.global_step == 1  # caught in the second step
+
+
+@pytest.mark.parametrize("mode", ["logps", "chunked"])
+def test_float64_default_dtype_and_numpy_options(mode, tmp_path):
+    """Under ``torch.set_default_dtype(torch.float64)`` with the float32 model, and with a numpy
+    ``generations_per_chunk``, the patched step runs and passes its self-check against TRL's own."""
+    np = pytest.importorskip("numpy")
+    trainer = make_trainer(tmp_path, max_steps=1)
+    patch = patch_grpo_trainer(trainer, mode=mode, generations_per_chunk=np.int64(2))
+    assert type(patch.generations_per_chunk) is int
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        trainer.train()
+    finally:
+        torch.set_default_dtype(previous)
+    assert patch.stats.fallback_calls == 0 and patch.stats.shared_calls > 0
+    if mode == "chunked":
+        assert patch.stats.chunked_steps == 1

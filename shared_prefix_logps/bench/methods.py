@@ -61,6 +61,40 @@ def compute_logps_step(backend: str) -> Step:
     return step
 
 
+def _dense(model, batch, train):
+    """The dense reference on the batch's real tokens: full rows, the prompts of one real length forwarded together
+    and cut to that length, so no row carries prompt padding; with ``train`` one backward of the summed log-probs
+    of all rows, so every row's activations are alive at once as in one forward of the batch.
+
+    Rows padded to the longest prompt (as trainers build them) would make dense forward pads the shared path never
+    forwards, and every speed-up over it would count them. The rows' completions stay right-padded to C, as in
+    every padded-layout method.
+    """
+    lengths = batch.prompt_mask.sum(1)
+    g = batch.generations
+    p = batch.prompts.shape[1]
+    rows, parts = [], []
+    with torch.set_grad_enabled(train):
+        for length in lengths.unique().tolist():
+            prompts = (lengths == length).nonzero().squeeze(1)
+            bucket = (prompts[:, None] * g + torch.arange(g, device=prompts.device)).reshape(-1)
+            # Left-padded prompts keep their real tokens in the last ``length`` columns.
+            out = compute_logps(
+                model,
+                batch.prompts[prompts, p - length :],
+                batch.completions[bucket],
+                prompt_mask=batch.prompt_mask[prompts, p - length :],
+                completion_mask=batch.completion_mask[bucket],
+                backend="dense",
+            )
+            rows.append(bucket)
+            parts.append(out.logps)
+        logps = torch.cat(parts)[torch.argsort(torch.cat(rows))]
+        if train:
+            logps.sum().backward()
+    return logps.detach()
+
+
 def _chunked(model, batch, train):
     if not train:
         return compute_logps_step("auto")(model, batch, train)
@@ -137,11 +171,12 @@ def _trl_available() -> bool:
 
 
 #: name -> (step, needs CUDA for train, available). "dense" is the conventional full-row forward with
-#: trainers' usual ``logits_to_keep`` head; "trl" the same rows through TRL's fused chunked head.
+#: trainers' usual ``logits_to_keep`` head, on the real prompt tokens (:func:`_dense`); "trl" full rows padded to the
+#: longest prompt through TRL's fused chunked head.
 #: The competitors of :mod:`.competitors` ("prefix_grouper", "liger") are always listed; they are skipped with
 #: "not installed" where their package does not import.
 METHODS: dict[str, tuple[Step, bool, Callable[[], bool]]] = {
-    "dense": (compute_logps_step("dense"), False, lambda: True),
+    "dense": (_dense, False, lambda: True),
     "trl": (_trl_rows, False, _trl_available),
     "kv_expand": (_kv_expand, False, lambda: True),
     "expand": (compute_logps_step("expand"), False, lambda: True),

@@ -61,7 +61,7 @@ def markdown_table(records: list[dict]) -> str:
         )
         diff = r.get("max_abs_diff_vs_dense")
         times = "- | " if speedup is None else f"{speedup:.2f} | "
-        share = "-" if speedup is None else f"{speedup * r['flop_floor']:.2f}"
+        share = "-" if speedup is None or r["method"] == "dense" else f"{speedup * r['flop_floor']:.2f}"
         lines.append(
             f"{shape}| {r['method']} | ok | {r['median_ms']:.1f} | {_mib(r.get('peak_bytes'))} | {times}{memory} | "
             f"{floors} | {share} | {'-' if diff is None else f'{diff:.2e}'} |"

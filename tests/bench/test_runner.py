@@ -65,14 +65,19 @@ def test_records_carry_real_counts_and_floors(model):
     assert records[1]["max_abs_diff_vs_dense"] <= 1e-5 and records[2]["max_abs_diff_vs_dense"] <= 1e-5
 
 
-def test_dense_reference_forwards_no_prompt_pads(model):
-    """Prompts of different lengths: the dense method forwards each row's real prompt tokens (plus its completion
-    slots), not the pads up to the longest prompt, and computes what the padded full rows compute."""
+def test_dense_reference_does_no_padding_work(model):
+    """Prompts of different lengths: the dense method forwards each row's real prompt tokens and its completion
+    slots (not pads up to the longest prompt), without a padding mask (so attention runs causal, computing the
+    pairs the FLOP floor counts), and computes what the padded, masked full rows compute, gradients included."""
     batch = make_batch(Shape(3, 20, 5, 2), model.config.vocab_size, "cpu")
     lengths = batch.prompt_mask.sum(1)
-    assert len(set(lengths.tolist())) == 3
-    forwarded = []
-    hook = model.get_input_embeddings().register_forward_hook(lambda m, args, out: forwarded.append(args[0].numel()))
+    assert len(set(lengths.tolist())) == 3 and not batch.completion_mask.all()
+    calls = []
+
+    def record(module, args, kwargs):
+        calls.append((kwargs["input_ids"].shape, kwargs.get("attention_mask")))
+
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
     try:
         model.zero_grad(set_to_none=True)
         ours = methods.METHODS["dense"][0](model, batch, True)
@@ -81,11 +86,12 @@ def test_dense_reference_forwards_no_prompt_pads(model):
     grads = {name: p.grad.clone() for name, p in model.named_parameters()}
     # Per prompt: its G rows of its real length plus their completion slots (cut to their longest completion).
     completion_lengths = batch.completion_mask.sum(1).view(3, 2)
-    expected = sorted(2 * (int(p) + int(c.max())) for p, c in zip(lengths, completion_lengths))
-    assert sorted(forwarded) == expected and sum(expected) < 6 * (20 + 5)
+    expected = sorted((2, int(p) + int(c.max())) for p, c in zip(lengths, completion_lengths))
+    assert sorted(tuple(shape) for shape, _ in calls) == expected
+    assert all(mask is None for _, mask in calls)
     model.zero_grad(set_to_none=True)
     padded = methods.compute_logps_step("dense")(model, batch, True)
-    assert (ours - padded).abs().max() <= 1e-5
+    assert (ours - padded).abs().max() <= 1e-5 and (ours[~batch.completion_mask] == 0).all()
     for name, p in model.named_parameters():
         assert torch.allclose(grads[name], p.grad, rtol=1e-4, atol=1e-6), name
     model.zero_grad(set_to_none=True)

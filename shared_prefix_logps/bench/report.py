@@ -75,7 +75,7 @@ def write_json(records: list[dict], path: Path, meta: dict) -> None:
 
 def write_plots(records: list[dict], directory: Path, prefix: str = "") -> list[Path]:
     """Peak memory vs G (at the largest P) and time vs P (at the largest G), one line per method, a panel per
-    workload; returns the files written (none without matplotlib)."""
+    workload in the records; returns the files written (none without matplotlib)."""
     try:
         import matplotlib
 
@@ -94,8 +94,9 @@ def write_plots(records: list[dict], directory: Path, prefix: str = "") -> list[
         # One curve per method: the other swept axis is held at its largest value.
         at = max(r[fixed] for r in ok)
         rows = [r for r in ok if r[fixed] == at and r["completion_len"] == ok[0]["completion_len"]]
-        fig, axes = plt.subplots(1, 2, figsize=(11, 4), squeeze=False)
-        for ax, workload in zip(axes[0], ("score", "train")):
+        workloads = [w for w in ("score", "train") if any(r["workload"] == w for r in ok)]
+        fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4), squeeze=False)
+        for ax, workload in zip(axes[0], workloads):
             for method in sorted({r["method"] for r in ok}):
                 points = sorted(
                     (r[x], r[y] / (2**20 if y == "peak_bytes" else 1))

@@ -142,9 +142,14 @@ def forward_flops(shape: ModelShape, *, tokens: int, attention_pairs: Sequence[i
     )
 
 
+def backward_flops(forward: Flops) -> Flops:
+    """The backward of ``forward``: per matmul the gradients of both operands, twice its forward FLOPs."""
+    return forward.scaled(2)
+
+
 def step_flops(forward: Flops, *, train: bool) -> Flops:
-    """The FLOPs of a step: the forward, plus with ``train`` its backward (twice the forward, per matmul)."""
-    return forward.scaled(3) if train else forward
+    """The FLOPs of a step: the forward, plus with ``train`` its backward."""
+    return forward + backward_flops(forward) if train else forward
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ file serves a CPU smoke run (defaults: the tiny preset) and a GPU sweep, e.g.
 
     SPL_PRESET=qwen2.5-1.5b SPL_P=1024,4096 SPL_C=512 SPL_G=4,16 pytest benchmarks --benchmark-only
 
-Each benchmark's ``extra_info`` holds the peak memory, the token floor and the max |diff| against dense.
+Each benchmark's ``extra_info`` holds the peak memory, the real token counts, the token and FLOP floors and the max
+|diff| against dense.
 """
 
 import itertools
@@ -17,7 +18,7 @@ import torch
 from shared_prefix_logps.bench.memory import peak_memory
 from shared_prefix_logps.bench.methods import METHODS, method_unavailable
 from shared_prefix_logps.bench.presets import build_preset
-from shared_prefix_logps.bench.runner import Shape, make_batch
+from shared_prefix_logps.bench.runner import Shape, make_batch, work_counts
 
 pytest.importorskip("pytest_benchmark")
 
@@ -72,7 +73,7 @@ def test_method(benchmark, model, shape, method, workload):
     model.zero_grad(set_to_none=True)
     benchmark.extra_info.update(
         preset=PRESET,
-        token_floor=shape.shared_tokens / shape.dense_tokens,
+        **work_counts(model.config, batch, train),
         max_abs_diff_vs_dense=float((logps - reference).abs().max()),
     )
     tolerance = 1e-5 if next(model.parameters()).dtype == torch.float32 else 0.1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import platform
 import subprocess
 import sys
@@ -50,12 +51,14 @@ def _device_name(device: torch.device) -> str:
 def _bench(args) -> int:
     from .methods import METHODS
     from .presets import build_preset
-    from .report import markdown_table, write_json, write_plots
+    from .report import FLOP_BOUND_TOLERANCE, beyond_flop_bound, markdown_table, write_json, write_plots
     from .runner import Shape, find_max_generations, run_sweep
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    try:
+        set_cpu_threads(args.threads, device)
+    except ValueError as error:
+        raise SystemExit(f"--{error}") from None
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
@@ -66,10 +69,13 @@ def _bench(args) -> int:
         raise SystemExit("--workloads takes score and/or train")
     model = build_preset(args.preset, dtype=dtype, device=device, layers=args.layers)
     model.train(False)
-    shapes = [
-        Shape(args.prompts, p, c, g)
-        for p, c, g in itertools.product(args.prompt_len, args.completion_len, args.generations)
-    ]
+    try:
+        shapes = [
+            Shape(args.prompts, p, c, g)
+            for p, c, g in itertools.product(args.prompt_len, args.completion_len, args.generations)
+        ]
+    except ValueError as error:
+        raise SystemExit(f"--prompts/--prompt-len/--completion-len/--generations: {error}") from None
     total = len(shapes) * len(workloads) * len(methods)
     bar = _progress(total)
 
@@ -79,6 +85,7 @@ def _bench(args) -> int:
             f"{record['status']}"
         )
 
+    load_before = _load()
     records = run_sweep(model, methods, shapes, workloads, repeats=args.repeats, progress=progress)
     meta = dict(
         preset=args.preset,
@@ -88,6 +95,8 @@ def _bench(args) -> int:
         versions=_versions(),
         commit=_commit(),
         threads=torch.get_num_threads() if device.type == "cpu" else None,
+        load_average=dict(before=load_before, after=_load()),
+        timing="interleaved: per repeat one timed step of every method in turn; median per method",
     )
     if args.max_generations:
         p, c = args.prompt_len[0], args.completion_len[0]
@@ -99,6 +108,13 @@ def _bench(args) -> int:
         }
     table = markdown_table(records)
     print(table)
+    for r in beyond_flop_bound(records):
+        print(
+            f"warning: {r['method']} {r['workload']} P={r['prompt_len']} G={r['generations']} is faster than dense by "
+            f"more than {1 + FLOP_BOUND_TOLERANCE:g} / flop_floor: dense did work the floors do not count, or the "
+            "timing is noise",
+            file=sys.stderr,
+        )
     if "max_generations" in meta:
         print(f"largest G that fits (train, P={p}, C={c}): {meta['max_generations']['by_method']}")
     if args.output:
@@ -113,12 +129,41 @@ def _bench(args) -> int:
     return 1 if any(r["status"] == "error" for r in records) else 0
 
 
+def _load() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages, where the platform has them."""
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def set_cpu_threads(threads: int | None, device: torch.device) -> None:
+    """``threads`` CPU threads for torch; by default one on CPU (a loaded machine stalls many threads at every
+    barrier of the shared path's many small ops, so torch's default measures the load more than the code), and
+    torch's own setting where the work runs on CUDA. ``0`` keeps torch's default."""
+    if threads is None:
+        threads = 1 if device.type == "cpu" else 0
+    if threads < 0:
+        raise ValueError(f"threads must be >= 0, got {threads}")
+    if threads:
+        torch.set_num_threads(threads)
+
+
 def _markdown_report(meta: dict, table: str) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
+    load = meta.get("load_average") or {}
     lines = [
         f"# Benchmark: {meta['preset']} on {meta['device']}",
         "",
         f"dtype {meta['dtype']}; commit {meta['commit']}; {versions}",
+        "",
+        f"threads {meta['threads']}; load average (1, 5, 15 min) before {load.get('before')}, after "
+        f"{load.get('after')}; timing {meta['timing']}.",
+        "",
+        "Token counts and both floors count real tokens only. token floor: tokens the shared path forwards over "
+        "those of the dense rows; FLOP floor: model-config FLOPs of the least work the shared path could do over "
+        "those of the dense method (attention and head included; forward+backward for train). of FLOP bound: the "
+        "speed-up over dense times the FLOP floor (1.00: as fast as the floor allows at dense's efficiency).",
         "",
         table,
     ]
@@ -169,7 +214,9 @@ def main(argv=None) -> int:
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--device", default="cuda" if cuda else "cpu")
     bench.add_argument("--dtype", choices=["bf16", "fp32"], default=None)
-    bench.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    bench.add_argument(
+        "--threads", type=int, default=None, help="CPU threads (default: 1 on CPU, torch's with CUDA; 0: torch's)"
+    )
     bench.add_argument("--output", default=None, help="directory for JSON, Markdown and PNG results")
     bench.add_argument("--name", default=None, help="file stem of the results (default: bench)")
     bench.add_argument(

@@ -3,8 +3,8 @@
 ``python -m shared_prefix_logps.bench.demo`` (``make demo``) builds a random model from a config (nothing downloaded),
 makes a batch of left-padded prompts of different lengths with G right-padded completions each, and runs a
 training-shaped step (forward + backward of a log-prob loss) both ways. It prints the largest log-prob difference, the
-tokens each path forwards, and the wall-time and peak-memory ratios. On CPU it uses the ``tiny`` preset; with CUDA a
-bigger one.
+real tokens each path forwards (pads are not counted), the token and FLOP floors, and the wall-time and peak-memory
+ratios. On CPU it uses the ``tiny`` preset and one thread; with CUDA a bigger one.
 """
 
 from __future__ import annotations
@@ -15,15 +15,18 @@ import time
 
 import torch
 
+from .cli import set_cpu_threads
 from .memory import peak_memory
-from .methods import compute_logps_step
+from .methods import METHODS, compute_logps_step
 from .presets import PRESETS, build_preset
-from .runner import Shape, make_batch
+from .runner import Shape, make_batch, work_counts
 
 
 def _step(model, batch, backend):
-    """One training-shaped step (forward, then backward of the summed log-probs); the detached log-probs."""
-    return compute_logps_step(backend)(model, batch, True)
+    """One training-shaped step (forward, then backward of the summed log-probs); the detached log-probs. ``dense``
+    is the benchmark's dense method (full rows on the real prompt tokens)."""
+    step = METHODS["dense"][0] if backend == "dense" else compute_logps_step(backend)
+    return step(model, batch, True)
 
 
 def _timed(model, batch, repeats, device) -> tuple[float, float]:
@@ -61,24 +64,31 @@ def main(argv=None) -> dict:
     parser.add_argument("--completion-len", type=int, default=128 if cuda else 32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="CPU threads (default: 1 on CPU, torch's with CUDA; 0: torch's)"
+    )
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
     device = torch.device(args.device)
+    try:
+        set_cpu_threads(args.threads, device)
+    except ValueError as error:
+        parser.error(f"--{error}")
+
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_preset(args.preset, dtype=dtype, device=device)
     model.train()
     vocab = model.config.vocab_size
-    # Prompts of true lengths P/2..P (left-padded), completions of C/2..C tokens (right-padded).
-    shape = Shape(args.prompts, args.prompt_len, args.completion_len, args.generations)
+    # Prompts of real lengths P down to P/2 (left-padded), completions of C/2..C tokens (right-padded).
+    try:
+        shape = Shape(args.prompts, args.prompt_len, args.completion_len, args.generations)
+    except ValueError as error:
+        parser.error(str(error))
     batch = make_batch(shape, vocab, device)
-    prompt_tokens = int(batch.prompt_mask.sum())
-    completion_tokens = int(batch.completion_mask.sum())
+    counts = work_counts(model.config, batch, train=True)
+    prompt_tokens, completion_tokens = counts["prompt_tokens"], counts["completion_tokens"]
+    dense_tokens, shared_tokens = counts["dense_tokens"], counts["shared_tokens"]
+    floor, flop_floor = counts["token_floor"], counts["flop_floor"]
     g = args.generations
-    dense_tokens, shared_tokens = shape.dense_tokens, shape.shared_tokens
-    floor = shared_tokens / dense_tokens
 
     print(f"model: {args.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {dtype}) on {device}")
     print(
@@ -96,6 +106,7 @@ def main(argv=None) -> dict:
         dense_tokens=dense_tokens,
         shared_tokens=shared_tokens,
         token_floor=floor,
+        flop_floor=flop_floor,
         dense_seconds=t_dense,
         shared_seconds=t_shared,
         speedup=t_dense / t_shared,
@@ -104,10 +115,13 @@ def main(argv=None) -> dict:
         memory_ratio=m_shared / m_dense,
     )
     print(f"max |shared - dense| log-prob: {max_diff:.3g}")
-    print(f"tokens forwarded: dense {dense_tokens:,}  shared {shared_tokens:,}  (token floor {floor:.3f})")
+    print(
+        f"real tokens forwarded: dense {dense_tokens:,}  shared {shared_tokens:,}  (token floor {floor:.3f}, "
+        f"FLOP floor {flop_floor:.3f})"
+    )
     print(
         f"forward+backward, median of {args.repeats}: dense {t_dense * 1e3:.0f} ms  shared {t_shared * 1e3:.0f} ms  "
-        f"-> {figures['speedup']:.2f}x faster (token floor allows {1 / floor:.2f}x)"
+        f"-> {figures['speedup']:.2f}x faster (the FLOP floor allows {1 / flop_floor:.2f}x)"
     )
     what = "CUDA max_memory_allocated" if device.type == "cuda" else "peak live tensor bytes"
     print(

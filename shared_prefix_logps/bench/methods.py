@@ -61,6 +61,46 @@ def compute_logps_step(backend: str) -> Step:
     return step
 
 
+def _dense(model, batch, train):
+    """The dense reference on the batch's real tokens: full ``[prompt | completion]`` rows through the model's own
+    forward and a float32 log-softmax + gather over trainers' ``logits_to_keep`` positions, with no padding work
+    the floors do not count.
+
+    - Prompts of one real length are forwarded together, cut to that length: rows padded to the longest prompt
+      (as trainers build them) would forward pads the shared path never forwards.
+    - No attention mask: a row's only padding is then its completion's right padding, which causal attention keeps
+      away from every real token, so the model runs causal attention (half the (query, key) pairs; a padding mask
+      makes SDPA compute them all), as the floors count it. Pad positions are computed and masked out, as in every
+      padded-layout method.
+
+    With ``train`` one backward of the summed log-probs of all rows, every row's activations alive at once as in one
+    forward of the batch. Returns the detached (rows, C) float32 log-probs, 0 where the completion is padded.
+    """
+    lengths = batch.prompt_mask.sum(1)
+    g = batch.generations
+    p = batch.prompts.shape[1]
+    rows, parts = [], []
+    with torch.set_grad_enabled(train):
+        for length in lengths.unique().tolist():
+            prompts = (lengths == length).nonzero().squeeze(1)
+            bucket = (prompts[:, None] * g + torch.arange(g, device=prompts.device)).reshape(-1)
+            completion_mask = batch.completion_mask[bucket]
+            # Completion columns padded in every row of the bucket hold no token to score.
+            width = max(1, int(completion_mask.sum(1).max()))
+            completions = batch.completions[bucket, :width]
+            # Left-padded prompts keep their real tokens in the last ``length`` columns.
+            ids = torch.cat([batch.prompts[prompts, p - length :].repeat_interleave(g, 0), completions], 1)
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=width + 1).logits[:, :-1].float()
+            logps = torch.log_softmax(logits, -1).gather(-1, completions[..., None]).squeeze(-1)
+            logps = logps.masked_fill(~completion_mask[:, :width], 0.0)
+            rows.append(bucket)
+            parts.append(torch.nn.functional.pad(logps, (0, batch.completions.shape[1] - width)))
+        logps = torch.cat(parts)[torch.argsort(torch.cat(rows))]
+        if train:
+            logps.sum().backward()
+    return logps.detach()
+
+
 def _chunked(model, batch, train):
     if not train:
         return compute_logps_step("auto")(model, batch, train)
@@ -137,11 +177,12 @@ def _trl_available() -> bool:
 
 
 #: name -> (step, needs CUDA for train, available). "dense" is the conventional full-row forward with
-#: trainers' usual ``logits_to_keep`` head; "trl" the same rows through TRL's fused chunked head.
+#: trainers' usual ``logits_to_keep`` head, without padding work (:func:`_dense`); "trl" full rows padded to the
+#: longest prompt, with their padding mask, through TRL's fused chunked head.
 #: The competitors of :mod:`.competitors` ("prefix_grouper", "liger") are always listed; they are skipped with
 #: "not installed" where their package does not import.
 METHODS: dict[str, tuple[Step, bool, Callable[[], bool]]] = {
-    "dense": (compute_logps_step("dense"), False, lambda: True),
+    "dense": (_dense, False, lambda: True),
     "trl": (_trl_rows, False, _trl_available),
     "kv_expand": (_kv_expand, False, lambda: True),
     "expand": (compute_logps_step("expand"), False, lambda: True),

@@ -50,14 +50,23 @@ PRESETS = {
 }
 
 
-def build_preset(name: str, *, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0, layers=None):
-    """A randomly initialised causal LM with the shape of preset ``name`` (``layers`` overrides the depth)."""
+_FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+}
+
+
+def preset_config(name: str, *, layers=None):
+    """The transformers config of preset ``name`` (``layers`` overrides the depth); no weights are made."""
     import transformers as tf
 
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
     p = PRESETS[name]
-    common = dict(
+    config_cls = getattr(tf, _FAMILIES[p.family][0])
+    return config_cls(
         vocab_size=p.vocab,
         hidden_size=p.hidden,
         intermediate_size=p.mlp,
@@ -69,15 +78,17 @@ def build_preset(name: str, *, dtype: torch.dtype = torch.float32, device="cpu",
         max_position_embeddings=131072,
         **dict(p.extra),
     )
-    config_cls, model_cls = {
-        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
-        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
-        "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
-    }[p.family]
+
+
+def build_preset(name: str, *, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0, layers=None):
+    """A randomly initialised causal LM with the shape of preset ``name`` (``layers`` overrides the depth)."""
+    import transformers as tf
+
+    config = preset_config(name, layers=layers)
+    model_cls = getattr(tf, _FAMILIES[PRESETS[name].family][1])
     torch.manual_seed(seed)
     with torch.device(device):
-        model = model_cls(config_cls(**common))
+        model = model_cls(config)
     if getattr(model.config, "attn_logit_softcapping", None) is not None:
         model.set_attn_implementation("eager")  # sdpa cannot softcap attention scores
     return model.to(dtype)

@@ -1,40 +1,51 @@
-"""Run methods over shapes and record time, peak memory and agreement with the dense path."""
+"""Run methods over shapes and record time, peak memory, agreement with the dense path, and the real work.
+
+Every record counts real tokens only (pads are nobody's work) and carries two floors, the least fraction of the
+dense method's work the shared path could do: ``token_floor`` (tokens forwarded) and ``flop_floor`` (model-config
+FLOPs, :mod:`.flops`: attention and the head do not shrink with sharing as the body does). At equal efficiency no
+method can be faster than dense by more than ``1 / flop_floor``.
+
+On one shape the methods' timed runs are interleaved (a round over every method per repeat, the median per method),
+so background load on a shared machine slows them alike.
+"""
 
 from __future__ import annotations
 
 import gc
-import itertools
 import statistics
 import time
 from dataclasses import asdict, dataclass
 
 import torch
 
+from .flops import ModelShape, Workload, flop_floor
 from .memory import peak_memory
 from .methods import METHODS, Batch, method_unavailable
 
 
 @dataclass(frozen=True)
 class Shape:
+    """A benchmark shape: ``prompts`` (B) prompts of at most ``prompt_len`` (P) tokens, the longest exactly P,
+    each with ``generations`` (G) completions of at most ``completion_len`` (C) tokens."""
+
     prompts: int
     prompt_len: int
     completion_len: int
     generations: int
 
-    @property
-    def dense_tokens(self) -> int:
-        return self.prompts * self.generations * (self.prompt_len + self.completion_len)
-
-    @property
-    def shared_tokens(self) -> int:
-        return self.prompts * (self.prompt_len + self.generations * self.completion_len)
+    def __post_init__(self):
+        for name in ("prompts", "prompt_len", "completion_len", "generations"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 def make_batch(shape: Shape, vocab: int, device, seed: int = 0) -> Batch:
-    """Prompts of true lengths from P/2 to P (left-padded), completions of C/2 to C tokens (right-padded)."""
+    """Prompts of real lengths from P down to about P/2 (the first exactly P; left-padded to P), completions of C/2
+    to C real tokens (the first exactly C; right-padded to C)."""
     gen = torch.Generator().manual_seed(seed)
     p, c, rows = shape.prompt_len, shape.completion_len, shape.prompts * shape.generations
-    prompt_lengths = torch.linspace(max(1, p // 2), p, shape.prompts).long()
+    prompt_lengths = torch.linspace(p, max(1, p // 2), shape.prompts).round().long()
     completion_lengths = torch.randint(max(1, c // 2), c + 1, (rows,), generator=gen)
     completion_lengths[0] = c
     return Batch(
@@ -45,8 +56,29 @@ def make_batch(shape: Shape, vocab: int, device, seed: int = 0) -> Batch:
     )
 
 
+def work_counts(config, batch: Batch, train: bool) -> dict:
+    """The real work of ``batch``: tokens (``prompt_tokens`` of the distinct prompts, ``completion_tokens``,
+    ``dense_tokens`` and ``shared_tokens`` forwarded by the full rows and by a shared prefix) and both floors."""
+    workload = Workload.from_masks(batch.prompt_mask.cpu(), batch.completion_mask.cpu())
+    return dict(
+        prompt_tokens=workload.prompt_tokens,
+        completion_tokens=workload.completion_tokens,
+        dense_tokens=workload.dense_tokens,
+        shared_tokens=workload.shared_tokens,
+        token_floor=workload.shared_tokens / workload.dense_tokens,
+        flop_floor=flop_floor(ModelShape.from_config(config), workload, train=train),
+    )
+
+
 def _is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
+
+
+def _failure(error: BaseException) -> dict:
+    """An OOM is a result, anything else a failure: both are recorded, not raised."""
+    if _is_oom(error):
+        return {"status": "OOM"}
+    return {"status": "error", "reason": f"{type(error).__name__}: {error}"[:300]}
 
 
 def _sync(device):
@@ -54,88 +86,107 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _time_ms(step, model, batch, train, repeats, device) -> float:
-    times = []
-    for i in range(repeats + 1):  # the first run warms up (compilation, caches)
-        model.zero_grad(set_to_none=True)
-        _sync(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step(model, batch, train)
-            end.record()
-            torch.cuda.synchronize(device)
-            elapsed = start.elapsed_time(end)
-        else:
-            t0 = time.perf_counter()
-            step(model, batch, train)
-            elapsed = (time.perf_counter() - t0) * 1e3
-        if i:
-            times.append(elapsed)
-    return statistics.median(times) if times else elapsed
+def _cleanup(model, device):
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
-def run_one(model, method: str, shape: Shape, workload: str, *, repeats: int, reference=None) -> dict:
-    """One record: the method on one shape and workload (``score`` or ``train``)."""
+def _time_ms(step, model, batch, train, device) -> float:
+    """Milliseconds of one step (CUDA events on CUDA, wall clock elsewhere)."""
+    model.zero_grad(set_to_none=True)
+    _sync(device)
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        step(model, batch, train)
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    step(model, batch, train)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def run_cell(model, methods, shape: Shape, workload: str, *, repeats: int) -> list[dict]:
+    """One record per method on one shape and workload (``score`` or ``train``), all on the same batch.
+
+    ``dense`` runs first: its log-probs are the reference of the others' ``max_abs_diff_vs_dense``. Each method's
+    first run warms it up (compilation, caches) and gives its log-probs; then ``repeats`` rounds time every method
+    once each, in turn; then its peak memory is measured apart (the CPU tracker slows the work down). With
+    ``repeats=0`` the warm-up run's time is recorded.
+    """
     device = next(model.parameters()).device
     train = workload == "train"
-    record = dict(
-        method=method,
-        workload=workload,
-        **asdict(shape),
-        device=str(device),
-        dense_tokens=shape.dense_tokens,
-        shared_tokens=shape.shared_tokens,
-        token_floor=shape.shared_tokens / shape.dense_tokens,
-    )
-    reason = method_unavailable(method, device, train)
-    if reason is not None:
-        return {**record, "status": "skipped", "reason": reason}
-    step = METHODS[method][0]
     batch = make_batch(shape, model.config.vocab_size, device)
-    try:
-        logps = step(model, batch, train)
-        if reference is not None:
-            record["max_abs_diff_vs_dense"] = float((logps - reference).abs().max())
-        record["median_ms"] = _time_ms(step, model, batch, train, repeats, device)
-        record["tokens_per_s"] = shape.dense_tokens / (record["median_ms"] / 1e3)
-        if device.type == "cpu" and method == "flex":
-            record["peak_bytes"] = None  # the CPU live-bytes tracker cannot see inside flex_attention
-        else:
+    base = dict(workload=workload, **asdict(shape), device=str(device), **work_counts(model.config, batch, train))
+    ordered = ["dense"] + [m for m in methods if m != "dense"] if "dense" in methods else list(methods)
+    records = {method: dict(method=method, **base) for method in ordered}
+    times: dict[str, list[float]] = {}
+    reference = None
+    for method in ordered:
+        record = records[method]
+        reason = method_unavailable(method, device, train)
+        if reason is not None:
+            record.update(status="skipped", reason=reason)
+            continue
+        step = METHODS[method][0]
+        try:
             model.zero_grad(set_to_none=True)
-            with peak_memory(device) as mem:
-                step(model, batch, train)
-            record["peak_bytes"] = mem["peak_bytes"]
-        record["status"] = "ok"
-        record["_logps"] = logps
-    except Exception as error:  # an OOM is a result, anything else a failure: both are recorded, not raised
-        if not _is_oom(error):
-            record.update(status="error", reason=f"{type(error).__name__}: {error}"[:300])
-        else:
-            record.update(status="OOM")
-    finally:
-        model.zero_grad(set_to_none=True)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    return record
+            _sync(device)
+            t0 = time.perf_counter()
+            logps = step(model, batch, train)
+            _sync(device)
+            warmup_ms = (time.perf_counter() - t0) * 1e3
+            if method == "dense":
+                reference = logps
+            elif reference is not None:
+                record["max_abs_diff_vs_dense"] = float((logps - reference).abs().max())
+            times[method] = [] if repeats else [warmup_ms]
+        except Exception as error:
+            record.update(_failure(error))
+        finally:
+            _cleanup(model, device)
+    for _ in range(repeats):
+        for method in list(times):
+            try:
+                times[method].append(_time_ms(METHODS[method][0], model, batch, train, device))
+            except Exception as error:
+                records[method].update(_failure(error))
+                del times[method]
+                _cleanup(model, device)
+    for method, samples in times.items():
+        record = records[method]
+        step = METHODS[method][0]
+        record["median_ms"] = statistics.median(samples)
+        # The same real tokens for every method, so it compares them: row tokens scored per second.
+        record["tokens_per_s"] = record["dense_tokens"] / (record["median_ms"] / 1e3)
+        try:
+            if device.type == "cpu" and method == "flex":
+                record["peak_bytes"] = None  # the CPU live-bytes tracker cannot see inside flex_attention
+            else:
+                model.zero_grad(set_to_none=True)
+                with peak_memory(device) as mem:
+                    step(model, batch, train)
+                record["peak_bytes"] = mem["peak_bytes"]
+            record["status"] = "ok"
+        except Exception as error:
+            record.update(_failure(error))
+        finally:
+            _cleanup(model, device)
+    return [records[method] for method in ordered]
 
 
 def run_sweep(model, methods, shapes, workloads, *, repeats: int = 3, progress=None) -> list[dict]:
-    """Every (shape, workload, method); ``dense`` runs first in each cell so the others are checked against it."""
-    ordered = ["dense"] + [m for m in methods if m != "dense"] if "dense" in methods else list(methods)
+    """Every (shape, workload) cell, each method of a cell on the same batch (:func:`run_cell`)."""
     records = []
-    cells = list(itertools.product(shapes, workloads))
-    for shape, workload in cells:
-        reference = None
-        for method in ordered:
-            record = run_one(model, method, shape, workload, repeats=repeats, reference=reference)
-            logps = record.pop("_logps", None)
-            if method == "dense" and logps is not None:
-                reference = logps
-            records.append(record)
-            if progress is not None:
-                progress(record)
+    for shape in shapes:
+        for workload in workloads:
+            for record in run_cell(model, methods, shape, workload, repeats=repeats):
+                records.append(record)
+                if progress is not None:
+                    progress(record)
     return records
 
 
@@ -143,7 +194,7 @@ def find_max_generations(model, method, prompts, prompt_len, completion_len, wor
     """Largest power-of-two G for which one step of ``method`` fits in memory (0 if even G=1 does not)."""
     best, g = 0, 1
     while g <= limit:
-        record = run_one(model, method, Shape(prompts, prompt_len, completion_len, g), workload, repeats=0)
+        (record,) = run_cell(model, [method], Shape(prompts, prompt_len, completion_len, g), workload, repeats=0)
         if record["status"] != "ok":
             break
         best, g = g, g * 2

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from shared_prefix_logps.bench.cli import main
 from shared_prefix_logps.bench.methods import METHODS
@@ -10,7 +11,15 @@ from shared_prefix_logps.bench.methods import METHODS
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 
-def test_tiny_preset_runs_every_cpu_method(tmp_path):
+@pytest.fixture
+def restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_tiny_preset_runs_every_cpu_method(tmp_path, restore_threads):
+    torch.set_num_threads(2)
     code = main(
         [
             "bench",
@@ -43,10 +52,14 @@ def test_tiny_preset_runs_every_cpu_method(tmp_path):
     data = json.loads((tmp_path / "smoke.json").read_text())
     records = data["records"]
     assert data["meta"]["versions"]["torch"]
+    assert data["meta"]["threads"] == 1 == torch.get_num_threads()  # one CPU thread unless asked otherwise
+    assert "load_average" in data["meta"]
     assert len(records) == len(METHODS) * 2 * 2  # methods x G values x workloads
     by_status = {}
     for record in records:
         by_status.setdefault(record["status"], []).append(record)
+        assert record["prompt_tokens"] == 24 + 12  # prompts of 24 (= P) and 12 real tokens
+        assert 0 < record["token_floor"] < record["flop_floor"] < 1
         if record["status"] == "ok":
             assert record["median_ms"] > 0
             if record["method"] != "dense":
@@ -64,3 +77,10 @@ def test_tiny_preset_runs_every_cpu_method(tmp_path):
 def test_unknown_method_is_refused():
     with pytest.raises(SystemExit, match="unknown method"):
         main(["bench", "--device", "cpu", "--methods", "dense,nope"])
+
+
+def test_bad_sizes_and_threads_are_refused(restore_threads):
+    with pytest.raises(SystemExit, match="--threads must be >= 0"):
+        main(["bench", "--device", "cpu", "--threads", "-1"])
+    with pytest.raises(SystemExit, match="prompt_len must be a positive int"):
+        main(["bench", "--device", "cpu", "--prompt-len", "0", "--methods", "dense"])

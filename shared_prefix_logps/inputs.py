@@ -89,7 +89,7 @@ class GroupedBatch:
 
 
 #: Backends of the completion attention. ``auto`` picks the best one available on the model's device.
-ATTENTION_BACKENDS = ("auto", "expand", "flex", "dense")
+ATTENTION_BACKENDS = ("auto", "expand", "flex", "flash", "dense")
 
 
 def check_options(temperature, backend, token_budget=None) -> None:

@@ -136,6 +136,13 @@ def _trl_available() -> bool:
     return True
 
 
+def _flash_available() -> bool:
+    """Whether flash-attn's kernels (FA3 or flash-attn 2) are installed (they run on CUDA only)."""
+    from ..backends import flash_kernels
+
+    return flash_kernels.kernels_for(torch.device("cuda")) is not None
+
+
 #: name -> (step, needs CUDA for train, available). "dense" is the conventional full-row forward with
 #: trainers' usual ``logits_to_keep`` head; "trl" the same rows through TRL's fused chunked head.
 #: The competitors of :mod:`.competitors` ("prefix_grouper", "liger") are always listed; they are skipped with
@@ -146,6 +153,7 @@ METHODS: dict[str, tuple[Step, bool, Callable[[], bool]]] = {
     "kv_expand": (_kv_expand, False, lambda: True),
     "expand": (compute_logps_step("expand"), False, lambda: True),
     "flex": (compute_logps_step("flex"), True, lambda: True),
+    "flash": (compute_logps_step("flash"), False, _flash_available),
     "chunked": (_chunked, False, lambda: True),
     **{name: (step, False, available) for name, (step, available, _) in competitors.COMPETITORS.items()},
 }
@@ -158,6 +166,7 @@ def method_unavailable(name: str, device: torch.device, train: bool) -> str | No
     _, needs_cuda_for_train, available = METHODS[name]
     if not available():
         package = competitors.COMPETITORS[name][2] if name in competitors.COMPETITORS else name
+        package = "'shared-prefix-logps[flash]'" if name == "flash" else package
         return f"not installed (pip install {package})"
     if train and needs_cuda_for_train and device.type != "cuda":
         return "backward needs CUDA"

@@ -19,9 +19,9 @@ sinks, head dimensions the kernels do not take, and Phase 2 layers whose sliding
 into the prefix of late queries; Phase 1 windows are flash-attn's own ``window_size``). Where ``flex`` cannot run
 either (CPU with gradients) the call is refused with the reason. Dropout is refused.
 
-Memory beyond the model's activations (n packed tokens, h query heads of size d, s bytes): part 1's and part 2's
-outputs and their float32 log-sum-exps, 2 x n x h x (d x s + 4), and the merged output, per layer (kept for
-backward); no mask and no per-row copy of a prefix.
+Memory beyond the model's activations per layer (n packed query tokens, h query heads of size d, s bytes): the two
+parts' outputs and float32 log-sum-exps, 2 x n x h x (d x s + 4), while the layer runs; the merged output and
+log-sum-exp, n x h x (d x s + 4), kept for backward. No mask, and no copy of a prefix per row or per layer.
 """
 
 from __future__ import annotations

@@ -141,8 +141,13 @@ def _bind(fn, values: dict) -> dict:
     """Keyword arguments for ``fn``: ``values`` where ``fn`` names them, window sizes in the form ``fn`` takes
     (a ``window_size`` pair or ``window_size_left``/``_right``), and None for any other parameter without a default
     (FA3's optional inputs: paged KV, rotary, descales, ...)."""
+    # flash-attn >= 2.7 defines them as torch.library custom ops, whose own signature is (*args, **kwargs); the
+    # function they were made from keeps the parameter names (the op's schema takes the same names as keywords).
+    parameters = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
+    if any(p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for p in parameters.values()):
+        raise TypeError(f"cannot bind the arguments of {fn!r}: its signature names no parameters")
     kwargs = {}
-    for name, parameter in inspect.signature(fn).parameters.items():
+    for name, parameter in parameters.items():
         if name in values:
             kwargs[name] = values[name]
         elif name == "window_size":

@@ -188,7 +188,9 @@ def _package_kernels(name: str, forward_fn, backward_fn) -> VarlenKernels:
         qk_dim, v_dim = q.shape[-1], v.shape[-1]
         q, k, v = _padded(q, k, v)
         dout, out = (F.pad(t, (0, q.shape[-1] - v_dim)) for t in (dout, out))
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        # Zeros, not empty: rows of a sequence without keys (a prompt without prefix) or keys of one without queries
+        # (a prompt whose completions are all empty) may be left unwritten by a kernel that skips them.
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         values = dict(
             dout=dout.contiguous(),
             q=q,

@@ -226,3 +226,15 @@ def test_attention_sinks_go_to_flex(flash_reference_kernels, flex_backward_on_cp
     errors = compare_with_dense(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, backend="flash")
     assert max(errors) <= 1e-4, errors
     assert "_CascadeAttention" not in calls.counts and calls.counts.get("packed_shared_attention", 0) >= 2
+
+
+def test_flash_under_activation_checkpointing(flash_reference_kernels):
+    # Backward recomputes each layer through the cascade (the plan cached in the phase context is reused).
+    model = build_model("qwen2")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    prompts, pmask, comps, cmask = make_batch(3, 4, prompt_len=9, completion_len=6, seed=8)
+    errors = compare_with_dense(
+        model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, return_entropy=True, backend="flash"
+    )
+    assert max(errors) <= 1e-4, errors

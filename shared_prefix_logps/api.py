@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .backends import flash
 from .backends.dense import dense_logps
 from .backends.flex import backward_available, flex_available
 from .inputs import GroupedBatch, check_options, group_batch, split_concatenated
@@ -45,7 +46,8 @@ def compute_logps(
         return_entropy: also return each position's entropy.
         backend: ``"auto"`` (``"flex"`` on CUDA, ``"expand"`` elsewhere), ``"expand"`` (each row gathers its
             prefix keys/values; SDPA), ``"flex"`` (packed, no padding, one flex_attention call per layer; backward
-            on CUDA only) or ``"dense"`` (the conventional full-row forward, for reference).
+            on CUDA only), ``"flash"`` (packed, flash-attn's varlen kernels, the prefix attended in place; CUDA with
+            flash-attn installed) or ``"dense"`` (the conventional full-row forward, for reference).
         token_budget: under ``torch.no_grad()``, the most tokens forwarded at once (prompts per Phase 1 chunk,
             completion rows per Phase 2 chunk; with ``expand`` a prompt and a row also count the bytes of their masks,
             gathered keys/values and explicit scores as hidden states' worth of tokens: ``token_budget.py``). Default
@@ -121,8 +123,10 @@ def resolve_attention_backend(backend: str, device: torch.device) -> str:
     """The concrete backend for ``backend`` on ``device`` with the current grad mode.
 
     ``auto`` is ``flex`` on CUDA and ``expand`` elsewhere. ``flex`` needs flex_attention's backward, which torch has
-    on CUDA only, when gradients are enabled.
+    on CUDA only, when gradients are enabled. ``flash`` needs flash-attn's kernels (CUDA, package installed).
     """
+    if backend == "flash" and not flash.available(device):
+        raise ValueError(flash.unavailable_reason(device))
     if backend == "auto":
         return "flex" if device.type == "cuda" and flex_available(device) else "expand"
     if backend == "flex":
@@ -134,6 +138,12 @@ def resolve_attention_backend(backend: str, device: torch.device) -> str:
                 "under torch.no_grad() for scoring"
             )
     return backend
+
+
+def packed_layout(backend: str) -> bool | str:
+    """The ``packed`` argument of the phases for a concrete ``backend``: its name for the packed backends, else
+    False (the padded layout)."""
+    return backend if backend in ("flex", "flash") else False
 
 
 def run_batch(
@@ -182,7 +192,7 @@ def run_batch(
         values = dense_logps(prepared, part, temperature=temperature, return_entropy=return_entropy)
         write_rows(logps, entropy, torch.arange(rows, device=logps.device), values)
         return _output(logps, entropy, mask)
-    packed = backend == "flex"
+    packed = packed_layout(backend)
     budget = None if torch.is_grad_enabled() else (token_budget or DEFAULT_TOKEN_BUDGET)
     routed_rows, routed = [], []
     costs = None if budget is None else ScoringCosts.of(prepared.causal_lm, prepared.device, packed=packed)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .api import resolve_attention_backend
+from .api import packed_layout, resolve_attention_backend
 from .forward.context import CaptureContext
 from .inputs import as_int, check_options, group_batch
 from .model import prepare_model
@@ -92,7 +92,7 @@ def chunked_backward(
     if not 1 <= generations_per_chunk <= generations:
         raise ValueError(f"generations_per_chunk must be in [1, G={generations}], got {generations_per_chunk}")
     backend = resolve_attention_backend(backend, prepared.device)
-    packed = backend == "flex"
+    packed = packed_layout(backend)
     num_experts, top_k = router_spec(prepared.causal_lm) if return_router_stats else (0, None)
 
     capture = capture_prefix(prepared, batch.prompt_ids, batch.prompt_mask, packed=packed, router_top_k=top_k)

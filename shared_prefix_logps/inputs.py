@@ -90,7 +90,7 @@ class GroupedBatch:
 
 
 #: Backends of the completion attention. ``auto`` picks the best one available on the model's device.
-ATTENTION_BACKENDS = ("auto", "expand", "flex", "dense")
+ATTENTION_BACKENDS = ("auto", "expand", "flex", "flash", "dense")
 
 
 def as_number(name: str, value) -> float:

@@ -6,7 +6,8 @@ prompt; its queries attend over the group's recorded prefix and causally over th
 proxy turns the valid queries' hidden states into log-probs of the completion tokens.
 
 Both phases come in two layouts: ``padded`` (backend ``expand``: rows of the batch as they are) and ``packed``
-(backend ``flex``: the real tokens of all rows back to back in one row, no padding processed).
+(backends ``flex`` and ``flash``: the real tokens of all rows back to back in one row, no padding processed); a
+``packed`` argument names the packed backend (True means ``flex``) and the contexts carry it.
 
 With ``router_top_k`` set (MoE models, for the router aux loss) both phases also return the model's router logits
 (``output_router_logits=True``: they leave through the model's own output, as in its dense forward) and sum their
@@ -39,7 +40,7 @@ def capture_prefix(
 
     Args:
         prompt_ids, prompt_mask: (num_prompts, P) left-padded prompts.
-        packed: use the packed layout (flex backend).
+        packed: use the packed layout: False, or the packed backend's name ("flex" or "flash"; True: flex).
         router_top_k: also sum the router statistics of each prompt's prefix tokens into ``context.router``.
 
     Returns None when every prompt has a single token (no prefix to share).
@@ -59,7 +60,7 @@ def capture_prefix(
             key_valid=prefix_mask[prefix_mask][None],
             positions=positions[prefix_mask][None],
             needs_grad=needs_grad,
-            packed=True,
+            packed=packed,
             segments=segments[prefix_mask],
         )
         input_ids = prefix_ids[prefix_mask][None]
@@ -125,7 +126,7 @@ def score_completions(
         context = SharedContext(
             positions=positions[forwarded][None],
             query_valid=valid[forwarded][None],
-            packed=True,
+            packed=packed,
             query_rows=query_rows,
             **common,
         )

@@ -176,6 +176,13 @@ def _trl_available() -> bool:
     return True
 
 
+def _flash_available() -> bool:
+    """Whether flash-attn's kernels (FA3 or flash-attn 2) are installed (they run on CUDA only)."""
+    from ..backends import flash_kernels
+
+    return flash_kernels.kernels_for(torch.device("cuda")) is not None
+
+
 #: name -> (step, needs CUDA for train, available). "dense" is the conventional full-row forward with
 #: trainers' usual ``logits_to_keep`` head, without padding work (:func:`_dense`); "trl" full rows padded to the
 #: longest prompt, with their padding mask, through TRL's fused chunked head.
@@ -187,6 +194,7 @@ METHODS: dict[str, tuple[Step, bool, Callable[[], bool]]] = {
     "kv_expand": (_kv_expand, False, lambda: True),
     "expand": (compute_logps_step("expand"), False, lambda: True),
     "flex": (compute_logps_step("flex"), True, lambda: True),
+    "flash": (compute_logps_step("flash"), False, _flash_available),
     "chunked": (_chunked, False, lambda: True),
     **{name: (step, False, available) for name, (step, available, _) in competitors.COMPETITORS.items()},
 }
@@ -199,6 +207,7 @@ def method_unavailable(name: str, device: torch.device, train: bool) -> str | No
     _, needs_cuda_for_train, available = METHODS[name]
     if not available():
         package = competitors.COMPETITORS[name][2] if name in competitors.COMPETITORS else name
+        package = "'shared-prefix-logps[flash]'" if name == "flash" else package
         return f"not installed (pip install {package})"
     if train and needs_cuda_for_train and device.type != "cuda":
         return "backward needs CUDA"

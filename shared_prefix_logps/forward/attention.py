@@ -8,7 +8,8 @@ transformers calls it from every attention layer with post-RoPE ``query`` (batch
 - :class:`SharedContext`: Phase 2, completion queries over [group prefix ; own tokens causally].
 
 The attention itself is computed by the phase's backend (``backends/``): ``expand`` (SDPA over per-row gathered
-keys) or ``flex`` (packed rows, one ``flex_attention`` call); the ``dense`` backend has no phases.
+keys), ``flex`` (packed rows, one ``flex_attention`` call) or ``flash`` (packed rows, flash-attn's varlen kernels);
+the ``dense`` backend has no phases.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sys
 
 import torch
 
-from ..backends import expand, flex
+from ..backends import expand, flash, flex
 from .context import CONTEXT_KWARG, CaptureContext, PhaseHandle, SharedContext
 from .routing import RouteBox, attach
 
@@ -121,7 +122,9 @@ def shared_prefix_attention(module, query, key, value, attention_mask, **kwargs)
     window = _sliding_window(module, kwargs)
     _check_single_call(module, context)
     if isinstance(context, CaptureContext):
-        if context.packed:
+        if context.packed == "flash":
+            output = flash.capture_attention(module, query, key, value, context, window, options)
+        elif context.packed:
             output = flex.packed_capture_attention(query, key, value, context, window, options)
         else:
             output = expand.capture_attention(query, key, value, context, window, options)
@@ -134,6 +137,8 @@ def shared_prefix_attention(module, query, key, value, attention_mask, **kwargs)
         # releases them into ``context.kv`` after the forward.
         return attach(output, box, key, value), None
     if isinstance(context, SharedContext):
+        if context.packed == "flash":
+            return flash.shared_attention(module, query, key, value, context, window, options), None
         if context.packed:
             return flex.packed_shared_attention(module, query, key, value, context, window, options), None
         return expand.shared_attention(module, query, key, value, context, window, options), None

@@ -33,7 +33,8 @@ class CaptureContext:
         key_valid: (num_prompts, prefix_len) bool, False on left padding ((1, total) all True when packed).
         positions: (num_prompts, prefix_len) int64 position of each prefix token ((1, total) when packed).
         needs_grad: whether the caller expects gradients through the captured keys/values.
-        packed: the layout; when packed, ``segments`` (total,) int64 gives each token's prompt index.
+        packed: the layout: False (padded), or the packed backend ("flex" or "flash"; True means flex); when
+            packed, ``segments`` (total,) int64 gives each token's prompt index.
         kv: attention module -> (key, value), each (rows, num_kv_heads, length, head_dim) in the layout above,
             filled after the forward with the pairs released from the model's output (see ``routing``).
         routes: attention module -> :class:`~.routing.RouteBox` of its raw (key, value), which
@@ -48,7 +49,7 @@ class CaptureContext:
     key_valid: torch.Tensor
     positions: torch.Tensor
     needs_grad: bool
-    packed: bool = False
+    packed: bool | str = False
     segments: torch.Tensor | None = None
     kv: dict = field(default_factory=dict)
     routes: dict = field(default_factory=dict)
@@ -85,7 +86,8 @@ class SharedContext:
         return_entropy: whether the head also computes the entropy of each valid token's distribution.
         needs_grad: whether the caller expects gradients.
         head_spec: the model's :class:`~shared_prefix_logps.model.HeadSpec` (scale, softcap, lm_head).
-        packed: the layout; when packed, ``query_rows`` (num_valid,) int64 gives each query token's row.
+        packed: the layout, as for :class:`CaptureContext`; when packed, ``query_rows`` (num_valid,) int64 gives each
+            query token's row.
         logps / entropy: (num_valid,) float32: written by the lm_head proxy (riding on its output, ``route``), then
             replaced by the ones released from the model's output.
         route: :class:`~shared_prefix_logps.forward.routing.RouteBox` of the head's results.
@@ -105,7 +107,7 @@ class SharedContext:
     return_entropy: bool
     needs_grad: bool
     head_spec: object
-    packed: bool = False
+    packed: bool | str = False
     query_rows: torch.Tensor | None = None
     logps: torch.Tensor | None = None
     entropy: torch.Tensor | None = None

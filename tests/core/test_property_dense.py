@@ -2,7 +2,8 @@
 
 Hypothesis draws the batch (prompts, G, lengths, paddings, ids, pad contents), the options (temperature, entropy,
 token budget, fused-head row chunk, generations per chunk) and the route (``compute_logps`` with tensors or lists,
-``compute_logps_concatenated`` with shuffled trainer rows, ``chunked_backward``; backends ``expand`` and ``flex``).
+``compute_logps_concatenated`` with shuffled trainer rows, ``chunked_backward``; backends ``expand``, ``flex`` and
+``flash`` on the pure-torch reference of flash-attn's kernels).
 Each result is compared with ``backend="dense"`` on the same rows in float32: log-probs and entropies within 1e-5,
 every parameter's gradient within 1e-4 relative.
 """
@@ -46,6 +47,7 @@ GRAD_NOISE = 1e-5
 # Examples per route: no-grad expand and flex with 3 entry points each, 4 routes with gradients.
 EXPAND_SCORING_EXAMPLES = 120
 FLEX_SCORING_EXAMPLES = 25
+FLASH_SCORING_EXAMPLES = 25
 GRAD_EXAMPLES = 120
 
 # Building a model takes longer than checking an example; every example of a family shares one.
@@ -297,6 +299,17 @@ def test_expand_scoring_matches_dense(entry, **drawn):
 @given(**drawn_options)
 def test_flex_scoring_matches_dense(entry, **drawn):
     _check_scoring(entry, "flex", **drawn)
+
+
+# backend="flash" on the pure-torch reference of flash-attn's varlen kernels; windowed layers go to (eager) flex.
+@pytest.mark.parametrize("entry", ["tensors", "lists", "concatenated"])
+@settings(max_examples=FLASH_SCORING_EXAMPLES, **COMMON_SETTINGS)
+@given(**drawn_options)
+def test_flash_scoring_matches_dense(entry, **drawn):
+    from shared_prefix_logps.backends.flash_kernels import substituted
+
+    with substituted():
+        _check_scoring(entry, "flash", **drawn)
 
 
 @pytest.mark.parametrize("entry", ["tensors", "lists", "concatenated", "chunked_backward"])

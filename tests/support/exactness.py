@@ -34,9 +34,11 @@ def max_relative_grad_error(grads, reference):
     return worst
 
 
-def compare_with_dense(model, *args, temperature=1.0, return_entropy=False, **kwargs):
-    """(max |logps diff|, max |entropy diff| or 0, max relative grad error) of backend 'auto' vs 'dense'."""
-    shared = compute_logps(model, *args, temperature=temperature, return_entropy=return_entropy, **kwargs)
+def compare_with_dense(model, *args, temperature=1.0, return_entropy=False, backend="auto", **kwargs):
+    """(max |logps diff|, max |entropy diff| or 0, max relative grad error) of ``backend`` vs 'dense'."""
+    shared = compute_logps(
+        model, *args, temperature=temperature, return_entropy=return_entropy, backend=backend, **kwargs
+    )
     dense = compute_logps(
         model, *args, temperature=temperature, return_entropy=return_entropy, backend="dense", **kwargs
     )

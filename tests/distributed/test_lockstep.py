@@ -13,7 +13,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from support.distributed import free_port, full_gradients, init_gloo, spawn_ranks, wrap_fsdp1, wrap_fsdp2
+from support.distributed import (
+    free_port,
+    full_gradients,
+    init_gloo,
+    set_rank_environment,
+    spawn_ranks,
+    wrap_fsdp1,
+    wrap_fsdp2,
+)
 from support.tiny_models import build_model, make_batch
 
 from shared_prefix_logps import chunked_backward, compute_logps
@@ -61,7 +69,7 @@ def _calls(scenario: str, rank: int) -> list[tuple[str, tuple, dict]]:
     raise ValueError(scenario)
 
 
-def _call(kind, model, batch, options):
+def _call(kind, model, batch, options, backward=torch.Tensor.backward):
     prompts, pmask, comps, cmask = batch
     common = dict(prompt_mask=pmask, completion_mask=cmask, return_entropy=True)
     if kind == "score":
@@ -70,7 +78,7 @@ def _call(kind, model, batch, options):
     if kind == "chunked":
         return chunked_backward(model, prompts, comps, _loss, generations_per_chunk=1, **common, **options)
     out = compute_logps(model, prompts, comps, **common, **options)
-    _loss(out).backward()
+    backward(_loss(out))
     return out
 
 
@@ -88,6 +96,41 @@ def _worker(rank, port, results, engine, scenario):
             out = _call(kind, wrapped, batch, options)
             grads = None if kind == "score" else full_gradients(engine, wrapped, names)
             wrapped.zero_grad(set_to_none=True)
+            record.append((out.logps.detach().clone(), grads))
+        results[rank] = record
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _zero3_worker(rank, port, results, scenario):
+    import datetime
+
+    import deepspeed
+    from deepspeed.utils import safe_get_full_grad
+
+    set_rank_environment(rank, port)
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=60))
+    try:
+        model = build_model("llama", tied=False)
+        names = [name for name, _ in model.named_parameters()]
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "zero_optimization": {"stage": 3},
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 10**9,
+        }
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+        params = dict(engine.module.named_parameters())
+        record = []
+        for kind, batch, options in _calls(scenario, rank):
+            out = _call(kind, engine, batch, options, backward=engine.backward)
+            grads = None
+            if kind != "score":  # a collective per parameter, the same names in the same order on every rank
+                grads = {name: safe_get_full_grad(params[name]).detach().clone() for name in names}
+                engine.step()  # lr 0: parameters unchanged; gradients cleared
             record.append((out.logps.detach().clone(), grads))
         results[rank] = record
         dist.barrier()
@@ -121,11 +164,27 @@ def _dense_reference(scenario):
     return per_rank
 
 
-@pytest.mark.parametrize("scenario", ["one-token-prompts", "masked-scoring", "uneven-chunks"])
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+SCENARIOS = ["one-token-prompts", "masked-scoring", "uneven-chunks"]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2", "fsdp1"])
 def test_processes_with_different_rows_stay_in_step(engine, scenario):
     results = mp.Manager().dict()
     spawn_ranks(_worker, (free_port(), results, engine, scenario), timeout_s=240)
+    _check_against_dense(results, scenario)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_zero3_processes_with_different_rows_stay_in_step(monkeypatch, scenario):
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # DeepSpeed's CPU accelerator, with gloo, also where a GPU is
+    results = mp.Manager().dict()
+    spawn_ranks(_zero3_worker, (free_port(), results, scenario), timeout_s=300)
+    _check_against_dense(results, scenario)
+
+
+def _check_against_dense(results, scenario):
     dense = _dense_reference(scenario)
     worst_logp, worst_grad = 0.0, 0.0
     for step, (_, reference_grads) in enumerate(dense[0]):

@@ -77,7 +77,8 @@ def chunked_backward(
         synchronizing micro-batch) the call runs its forwards and backwards as under ``no_sync`` and then averages
         every parameter's ``.grad`` over the processes once (:class:`_DDPBackward`), as DDP's synchronizing backward
         would: afterwards each process holds the ranks' average of the accumulated gradient, with
-        ``find_unused_parameters`` on or off. DDP communication hooks are not applied to that average.
+        ``find_unused_parameters`` on or off. DDP communication hooks are not applied to that average;
+        ``static_graph=True`` is refused.
 
         Under FSDP2 and FSDP1 (``FullyShardedDataParallel``) each backward reduce-scatters what it produced (or,
         under ``no_sync``, accumulates locally) and the shards add up to the full gradient; under FSDP1 the prompt's
@@ -280,6 +281,14 @@ def _backward_driver(model: nn.Module):
             "engine.backward and ZeRO accumulates the chunks' gradients"
         )
     ddp = find_ddp(model)
+    if ddp is not None and ddp.static_graph:
+        # Its reducer replays the first iteration's one-backward-per-forward schedule and fails an internal assertion
+        # on the chunks' backwards.
+        raise ValueError(
+            "chunked_backward cannot serve a DistributedDataParallel model with static_graph=True (DDP then expects "
+            "one backward per forward; chunked_backward makes several): wrap it with static_graph=False "
+            "(find_unused_parameters True or False both work)"
+        )
     if ddp is not None and ddp.require_backward_grad_sync:
         return _DDPBackward(ddp)
     return _PlainBackward()

@@ -87,12 +87,17 @@ def _chunked_call(model, batch, generations_per_chunk=1):
     )
 
 
-def _sync_worker(rank, port, results, find_unused, accumulate):
+def _sync_worker(rank, port, results, wrapping, accumulate):
     init_gloo(rank, port)
     try:
         model = build_model("qwen2")
-        ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=find_unused)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, **wrapping)
         batches = [make_batch(2, 3, prompt_len=9, completion_len=5, seed=rank + 2 * step) for step in range(2)]
+        if ddp.static_graph:  # refused before any forward, so the ranks stay in step
+            with pytest.raises(ValueError, match="static_graph=False") as refusal:
+                _chunked_call(ddp, batches[1])
+            results[rank] = str(refusal.value)
+            return
         if accumulate:
             with ddp.no_sync():  # gradient accumulation: the first micro-batch stays local
                 _chunked_call(ddp, batches[0])
@@ -104,11 +109,21 @@ def _sync_worker(rank, port, results, find_unused, accumulate):
         dist.destroy_process_group()
 
 
+WRAPPINGS = {
+    "default": {},
+    "find-unused": {"find_unused_parameters": True},
+    "static-graph": {"static_graph": True},
+}
+
+
 @pytest.mark.parametrize("accumulate", [False, True], ids=["one-call", "no_sync-then-sync"])
-@pytest.mark.parametrize("find_unused", [False, True], ids=["static-use", "find-unused"])
-def test_chunked_backward_synchronizing_call_averages_over_ranks(find_unused, accumulate):
+@pytest.mark.parametrize("wrapping", list(WRAPPINGS))
+def test_chunked_backward_synchronizing_call_averages_over_ranks(wrapping, accumulate):
     results = mp.Manager().dict()
-    spawn_ranks(_sync_worker, (free_port(), results, find_unused, accumulate))
+    spawn_ranks(_sync_worker, (free_port(), results, WRAPPINGS[wrapping], accumulate))
+    if wrapping == "static-graph":  # DDP's static-graph reducer allows one backward per forward: refused
+        assert all("static_graph=True" in results[rank] for rank in range(2))
+        return
     reference = build_model("qwen2")
     steps = (0, 1) if accumulate else (1,)
     for rank in range(2):

@@ -8,6 +8,7 @@ from torch import nn
 from .backends import flash
 from .backends.dense import dense_logps
 from .backends.flex import backward_available, flex_available
+from .distributed.lockstep import Lockstep, call_lockstep, placeholder_prefix
 from .inputs import GroupedBatch, check_options, group_batch, split_concatenated
 from .model import PreparedModel, prepare_model
 from .moe_router import RouterStats, router_spec
@@ -28,6 +29,7 @@ def compute_logps(
     backend: str = "auto",
     token_budget: int | None = None,
     return_router_stats: bool = False,
+    lockstep: bool | None = None,
 ) -> LogpsOutput:
     """Per-token log-probs of G completions per prompt, each prompt forwarded once.
 
@@ -55,6 +57,13 @@ def compute_logps(
         return_router_stats: MoE models that compute a router load-balancing loss (Mixtral, Qwen2-MoE, Qwen3-MoE,
             GPT-OSS): also return each row's router statistics (``out.router``; ``out.router.aux_loss()`` equals
             the model's own ``aux_loss`` of the full rows, differentiable). Not with ``backend="dense"``.
+        lockstep: keep every process's model calls in step with the other processes' whatever their rows
+            (:mod:`~shared_prefix_logps.distributed.lockstep`). None (default): when ``model`` is wrapped by DDP,
+            FSDP or DeepSpeed in a process group of more than one process. Costs one small all-reduce per call with
+            gradients (and a one-token forward where another process forwards its prompts and this one has none),
+            one per forward plus one without (and a one-token forward per forward another process makes beyond
+            this one's). False: the caller guarantees that every process makes the same calls with batches that
+            forward alike. True: also for unwrapped models.
 
     Returns:
         :class:`LogpsOutput` with ``logps`` (B*G, C) float32 (0 where masked), ``entropy`` or None, ``mask``, and
@@ -75,6 +84,7 @@ def compute_logps(
         backend=backend,
         token_budget=token_budget,
         return_router_stats=return_router_stats,
+        lockstep=call_lockstep(model, lockstep, prepared.device),
     )
 
 
@@ -89,6 +99,7 @@ def compute_logps_concatenated(
     backend: str = "auto",
     token_budget: int | None = None,
     return_router_stats: bool = False,
+    lockstep: bool | None = None,
 ) -> LogpsOutput:
     """The trainer-shaped entry: rows ``[left-padded prompt | right-padded completion]`` as TRL builds them.
 
@@ -100,7 +111,8 @@ def compute_logps_concatenated(
         attention_mask: (N, L) bool/0-1; its first ``L - logits_to_keep`` columns are the left-padded prompt mask,
             the last ``logits_to_keep`` the right-padded completion mask.
         logits_to_keep: completion length C.
-        temperature, return_entropy, backend, token_budget, return_router_stats: as for :func:`compute_logps`.
+        temperature, return_entropy, backend, token_budget, return_router_stats, lockstep: as for
+            :func:`compute_logps`.
 
     Returns:
         :class:`LogpsOutput` with (N, C) tensors, row i for ``input_ids[i]``.
@@ -116,6 +128,7 @@ def compute_logps_concatenated(
         backend=backend,
         token_budget=token_budget,
         return_router_stats=return_router_stats,
+        lockstep=call_lockstep(model, lockstep, prepared.device),
     )
 
 
@@ -155,6 +168,7 @@ def run_batch(
     backend: str,
     token_budget: int | None = None,
     return_router_stats: bool = False,
+    lockstep: Lockstep | None = None,
 ) -> LogpsOutput:
     """Log-probs of a validated batch with the chosen backend, as (rows, C) tensors of the batch's C.
 
@@ -163,7 +177,36 @@ def run_batch(
     gradients everything runs as one graph (see :func:`~shared_prefix_logps.chunked_backward` for bounded memory).
     With ``return_router_stats`` every row is forwarded, even one without a valid completion token: its prompt's
     tokens are routed in the dense row all the same.
+
+    With ``lockstep`` the call keeps in step with the other processes: without gradients its forwards are joined
+    (:meth:`Lockstep.forwards`); with gradients it makes Phase 1 when any process does (a padding forward where this
+    process has no prompt prefix), then Phase 2.
     """
+    options = dict(
+        temperature=temperature,
+        return_entropy=return_entropy,
+        backend=backend,
+        token_budget=token_budget,
+        return_router_stats=return_router_stats,
+    )
+    if lockstep is not None and not torch.is_grad_enabled():
+        with lockstep.forwards(prepared.outer):
+            return _run_batch(prepared, batch, **options)
+    return _run_batch(prepared, batch, **options, lockstep=lockstep)
+
+
+def _run_batch(
+    prepared: PreparedModel,
+    batch: GroupedBatch,
+    *,
+    temperature: float,
+    return_entropy: bool,
+    backend: str,
+    token_budget: int | None,
+    return_router_stats: bool,
+    lockstep: Lockstep | None = None,
+) -> LogpsOutput:
+    """:func:`run_batch`; with gradients and ``lockstep``, Phase 1 agreed between the processes."""
     backend = resolve_attention_backend(backend, prepared.device)
     temperature = float(temperature)
     top_k = None
@@ -193,6 +236,14 @@ def run_batch(
         write_rows(logps, entropy, torch.arange(rows, device=logps.device), values)
         return _output(logps, entropy, mask)
     packed = packed_layout(backend)
+    padding = None
+    if lockstep is not None and torch.is_grad_enabled():
+        # With gradients the call is Phase 1 (unless no prompt has a prefix) then Phase 2, and the backward runs
+        # through both: where another process forwards prompts and this one has none, a placeholder Phase 1 takes
+        # its place, and its zero joins the results so that the backward visits it as the others' visit Phase 1.
+        has_prefix = bool(batch.prompt_mask[:, :-1].any())
+        if lockstep.any(has_prefix) and not has_prefix:
+            padding = placeholder_prefix(prepared, packed=packed, router_top_k=top_k)
     budget = None if torch.is_grad_enabled() else (token_budget or DEFAULT_TOKEN_BUDGET)
     routed_rows, routed = [], []
     costs = None if budget is None else ScoringCosts.of(prepared.causal_lm, prepared.device, packed=packed)
@@ -225,6 +276,17 @@ def run_batch(
     out = _output(logps, entropy, mask)
     if top_k is not None:
         out.router = _gather_router_stats(routed_rows, routed, num_experts)
+    return out if padding is None else _joined(out, padding)
+
+
+def _joined(out: LogpsOutput, zero: torch.Tensor) -> LogpsOutput:
+    """``out`` with the 0-d ``zero`` added to every differentiable result: same values, and a backward from any of
+    them also runs through ``zero``'s graph."""
+    out.logps = out.logps + zero
+    if out.entropy is not None:
+        out.entropy = out.entropy + zero
+    if out.router is not None:
+        out.router.probs = out.router.probs + zero
     return out
 
 

@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 from .api import packed_layout, resolve_attention_backend
+from .distributed.ddp import average_gradients, find_ddp, reduced_parameters
+from .distributed.lockstep import call_lockstep, placeholder_prefix
 from .forward.context import CaptureContext
-from .inputs import as_int, check_options, group_batch
+from .inputs import GroupedBatch, as_int, check_options, group_batch
 from .model import prepare_model
 from .moe_router import RouterStats, router_spec
 from .output import LogpsOutput, result_zeros, write_rows
@@ -36,6 +38,7 @@ def chunked_backward(
     return_entropy: bool = False,
     backend: str = "auto",
     return_router_stats: bool = False,
+    lockstep: bool | None = None,
 ) -> LogpsOutput:
     """Run forward and backward of ``loss_fn`` over chunks of generations; parameters' ``.grad`` accumulate.
 
@@ -59,16 +62,27 @@ def chunked_backward(
             not a sum over chunks; a loss linear in ``chunk_out.router.probs`` is (e.g. ``(w * probs).sum()`` with
             ``w = num_experts * counts / N**2`` from the whole batch's counts, known beforehand: it has the aux
             loss's value and gradient, since its counts carry no gradient). Every chunk is forwarded then.
+        lockstep: as for :func:`~shared_prefix_logps.compute_logps`: by default, under DDP, FSDP or DeepSpeed with
+            more than one process, the processes agree (two small all-reduces per call) on Phase 1 and on the number
+            of chunks; every chunk is forwarded and back-propagated, a chunk without a valid token too (its loss adds
+            zero), and a process with fewer chunks (a smaller G) or no prompt prefix makes one-token forwards and
+            zero backwards in their place, so that every process makes the same forwards and backwards.
 
     Returns:
         The detached :class:`LogpsOutput` of all rows, (B*G, C) (with ``router`` when requested).
 
     Notes:
-        Each chunk calls ``backward``, and the prompt one more; under DDP wrap the call in ``model.no_sync()`` except
-        for the step that should synchronize, or gradients are all-reduced more than once. Under FSDP2 and FSDP1
-        (``FullyShardedDataParallel``) each backward reduce-scatters what it produced (or, under ``no_sync``,
-        accumulates locally) and the shards add up to the full gradient; under FSDP1 the prompt's backward is
-        preceded by a one-token forward that re-arms FSDP1's backward hooks (:class:`_FSDP1Backward`).
+        Each chunk calls ``backward``, and the prompt one more. Under DDP pass the DDP-wrapped model and call as for
+        one ``loss.backward()``: inside ``model.no_sync()`` every backward accumulates locally; outside it (the
+        synchronizing micro-batch) the call runs its forwards and backwards as under ``no_sync`` and then averages
+        every parameter's ``.grad`` over the processes once (:class:`_DDPBackward`), as DDP's synchronizing backward
+        would: afterwards each process holds the ranks' average of the accumulated gradient, with
+        ``find_unused_parameters`` on or off. DDP communication hooks are not applied to that average;
+        ``static_graph=True`` is refused.
+
+        Under FSDP2 and FSDP1 (``FullyShardedDataParallel``) each backward reduce-scatters what it produced (or,
+        under ``no_sync``, accumulates locally) and the shards add up to the full gradient; under FSDP1 the prompt's
+        backward is preceded by a one-token forward that re-arms FSDP1's backward hooks (:class:`_FSDP1Backward`).
 
         Pass a DeepSpeed engine itself (what ``deepspeed.initialize`` returns), then call ``engine.step()`` as after
         ``engine.backward(loss)``: every backward runs through ``engine.backward`` (scaled by its gradient
@@ -95,21 +109,38 @@ def chunked_backward(
     packed = packed_layout(backend)
     num_experts, top_k = router_spec(prepared.causal_lm) if return_router_stats else (0, None)
 
-    capture = capture_prefix(prepared, batch.prompt_ids, batch.prompt_mask, packed=packed, router_top_k=top_k)
-    leaves = _detached_capture(capture)
-    # Whether a backward through the prompt follows the chunks' (it is then the step's last backward).
-    prompt_backward = capture is not None and any(t.requires_grad for t in _prompt_results(capture))
+    steps = call_lockstep(model, lockstep, prepared.device)
     logps = result_zeros(rows, length, device=batch.completion_ids.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
     starts = torch.arange(num_prompts, device=logps.device) * generations
     # With no valid token anywhere, autograd of the summed losses still gives every parameter a zero gradient (and
     # optimizers such as Adam step on it): the chunks then run anyway so that backward reaches every parameter.
     # (Router statistics count the prompt tokens of rows without a valid completion token too: every chunk runs.)
-    score_empty = not batch.completion_mask.any() or top_k is not None
+    # In lockstep every chunk runs, so that each process forwards and back-propagates as often as the others.
+    score_empty = not batch.completion_mask.any() or top_k is not None or steps is not None
     firsts = range(0, generations, generations_per_chunk)
     routed_rows, routed = [], []
     try:
-        for first in firsts:
+        backward.begin()
+        has_prefix = bool(batch.prompt_mask[:, :-1].any())
+        chunks = len(firsts)
+        padding = None  # a placeholder Phase 1's zero (lockstep: another process has a prompt prefix, this one none)
+        if steps is not None:
+            any_prefix, chunks = steps.max_all([has_prefix, chunks])
+            if any_prefix and not has_prefix:
+                padding = placeholder_prefix(prepared, packed=packed, router_top_k=top_k)
+        capture = capture_prefix(prepared, batch.prompt_ids, batch.prompt_mask, packed=packed, router_top_k=top_k)
+        leaves = _detached_capture(capture)
+        # Whether a backward through the prompt follows the chunks' (it is then the step's last backward).
+        prompt_backward = capture is not None and any(t.requires_grad for t in _prompt_results(capture))
+        if steps is not None:
+            prompt_backward = steps.any(prompt_backward)
+        for chunk in range(chunks):
+            last = not prompt_backward and chunk == chunks - 1
+            if chunk >= len(firsts):  # lockstep: another process has more chunks (a larger G)
+                _backward_placeholder_chunk(backward, prepared, batch, leaves, packed, top_k, num_experts, last)
+                continue
+            first = firsts[chunk]
             offsets = torch.arange(first, min(first + generations_per_chunk, generations), device=logps.device)
             chunk_rows = (starts[:, None] + offsets[None, :]).reshape(-1)
             part = batch.select_rows(chunk_rows)
@@ -123,13 +154,18 @@ def chunked_backward(
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError("loss_fn must return a scalar tensor")
             if loss.requires_grad:
-                backward.loss(loss, last=not prompt_backward and first == firsts[-1])
+                backward.loss(loss, last=last)
             elif part.completion_mask.any():  # skipping its backward would leave these rows' gradient out unseen
                 raise _loss_without_grad(chunk_rows, chunk_out.logps.requires_grad)
+            elif steps is not None and chunk_out.logps.requires_grad:
+                # lockstep: the other processes back-propagate this chunk; a zero from its forward stands in
+                backward.loss(chunk_out.logps.sum() * 0.0, last=last)
             detached = chunk_out.detach()
             write_rows(logps, entropy, chunk_rows, (detached.logps, detached.entropy))
             del chunk_out, loss
-        if prompt_backward:
+        if prompt_backward and padding is not None:
+            backward.tensors([padding], [torch.zeros_like(padding)])
+        elif prompt_backward and capture is not None:
             _backward_through_prompt(backward, capture, leaves)
         backward.finish()
     finally:
@@ -214,6 +250,22 @@ def _score_chunk(
     return LogpsOutput(logps, entropy, mask, router)
 
 
+def _backward_placeholder_chunk(backward, prepared, batch, leaves, packed, top_k, num_experts, last: bool) -> None:
+    """A chunk's forward and backward in place of one another process makes (lockstep): the first prompt's rows,
+    every completion token masked, forwarded as a chunk and back-propagated with weight zero."""
+    rows = (batch.group_index == 0).nonzero().squeeze(1)
+    masked = GroupedBatch(
+        prompt_ids=batch.prompt_ids,
+        prompt_mask=batch.prompt_mask,
+        completion_ids=batch.completion_ids.new_zeros(rows.numel(), 1),
+        completion_mask=batch.completion_mask.new_zeros(rows.numel(), 1),
+        group_index=batch.group_index[rows],
+    )
+    out = _score_chunk(prepared, masked, leaves, 1, 1.0, False, packed, True, top_k, num_experts)
+    if out.logps.requires_grad:
+        backward.loss(out.logps.sum() * 0.0, last=last)
+
+
 def _backward_through_prompt(backward, capture: CaptureContext, leaves: CaptureContext) -> None:
     """Send the gradients the chunks accumulated on the leaves (keys/values, router probabilities) back through
     Phase 1's graph."""
@@ -226,7 +278,8 @@ def _backward_through_prompt(backward, capture: CaptureContext, leaves: CaptureC
 
 
 def _backward_driver(model: nn.Module):
-    """How this call runs its backward passes: plain autograd, re-armed for FSDP1, or through a DeepSpeed engine."""
+    """How this call runs its backward passes: plain autograd, re-armed for FSDP1, through a DeepSpeed engine, or
+    locally then averaged once (a synchronizing call under DDP)."""
     root = _fsdp1_root(model)
     if root is not None:
         return _FSDP1Backward(model, root.compute_device)
@@ -240,10 +293,26 @@ def _backward_driver(model: nn.Module):
             "deepspeed.initialize returns) to chunked_backward, so that its backward passes go through "
             "engine.backward and ZeRO accumulates the chunks' gradients"
         )
+    ddp = find_ddp(model)
+    if ddp is not None and ddp.static_graph:
+        # Its reducer replays the first iteration's one-backward-per-forward schedule and fails an internal assertion
+        # on the chunks' backwards.
+        raise ValueError(
+            "chunked_backward cannot serve a DistributedDataParallel model with static_graph=True (DDP then expects "
+            "one backward per forward; chunked_backward makes several): wrap it with static_graph=False "
+            "(find_unused_parameters True or False both work)"
+        )
+    if ddp is not None and ddp.require_backward_grad_sync:
+        return _DDPBackward(ddp)
     return _PlainBackward()
 
 
 class _PlainBackward:
+    """Backward passes of one call with autograd; also under DDP's ``no_sync`` (each accumulates locally)."""
+
+    def begin(self) -> None:
+        """Before the call's first forward."""
+
     def loss(self, loss: torch.Tensor, *, last: bool) -> None:
         loss.backward()
 
@@ -253,10 +322,39 @@ class _PlainBackward:
             torch.autograd.backward(*zip(*pairs))
 
     def finish(self) -> None:
-        pass
+        """After the call's last backward."""
 
     def close(self) -> None:
-        pass
+        """Always, last (also when the call raised)."""
+
+
+class _DDPBackward(_PlainBackward):
+    """Backward passes of one synchronizing call under DDP (not inside ``no_sync``).
+
+    DDP's reducer expects one backward per forward: each grad-enabled forward outside ``no_sync`` arms it (and, with
+    ``find_unused_parameters``, marks the parameters that forward's output does not reach as ready), and the
+    backward that follows all-reduces the buckets as their gradients become ready and writes the averages into
+    ``.grad``. Phase 1, then a forward and a backward per chunk, then the backward through Phase 1's graph would
+    average partial gradients several times, each overwritten by the next (0.74-0.96 relative error seen), with
+    buckets left waiting. So the whole call runs as under ``no_sync()`` (forwards do not arm the reducer, backwards
+    accumulate locally) and, after the last backward, every parameter's accumulated ``.grad`` is averaged over the
+    process group once (:func:`~shared_prefix_logps.distributed.ddp.average_gradients`): what DDP's synchronizing
+    backward computes, gradients accumulated under earlier ``no_sync`` micro-batches included. As after DDP's own
+    synchronizing step, the next forward broadcasts the module's buffers.
+    """
+
+    def __init__(self, ddp: nn.parallel.DistributedDataParallel):
+        self.ddp = ddp
+
+    def begin(self) -> None:
+        self.ddp.require_backward_grad_sync = False  # what no_sync() sets
+
+    def finish(self) -> None:
+        average_gradients(reduced_parameters(self.ddp), self.ddp.process_group)
+        self.ddp.require_forward_param_sync = True
+
+    def close(self) -> None:
+        self.ddp.require_backward_grad_sync = True
 
 
 class _DeepSpeedBackward:
@@ -283,6 +381,9 @@ class _DeepSpeedBackward:
         self.override = getattr(engine, "_is_gradient_accumulation_boundary", None)
         self.boundary = engine.is_gradient_accumulation_boundary()
         self.pending = False
+
+    def begin(self) -> None:
+        pass
 
     def loss(self, loss: torch.Tensor, *, last: bool, scale: bool = True) -> None:
         if self.managed:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from support.distributed import free_port
+from support.distributed import free_port, init_gloo, spawn_ranks
 from support.tiny_models import build_model, make_batch
 
 from shared_prefix_logps import chunked_backward, compute_logps
@@ -71,3 +71,73 @@ def test_ddp_gradients_equal_averaged_dense_gradients(find_unused):
             # Under no_sync each rank keeps its own gradient, equal to its own dense gradient.
             local = dense_grads[rank][i]
             assert (results[f"chunked{rank}"][i] - local).norm() <= 1e-4 * local.norm() + 1e-10
+
+
+def _chunked_call(model, batch, generations_per_chunk=1):
+    prompts, pmask, comps, cmask = batch
+    return chunked_backward(
+        model,
+        prompts,
+        comps,
+        _loss,
+        generations_per_chunk=generations_per_chunk,
+        prompt_mask=pmask,
+        completion_mask=cmask,
+        temperature=0.8,
+    )
+
+
+def _sync_worker(rank, port, results, wrapping, accumulate):
+    init_gloo(rank, port)
+    try:
+        model = build_model("qwen2")
+        ddp = torch.nn.parallel.DistributedDataParallel(model, **wrapping)
+        batches = [make_batch(2, 3, prompt_len=9, completion_len=5, seed=rank + 2 * step) for step in range(2)]
+        if ddp.static_graph:  # refused before any forward, so the ranks stay in step
+            with pytest.raises(ValueError, match="static_graph=False") as refusal:
+                _chunked_call(ddp, batches[1])
+            results[rank] = str(refusal.value)
+            return
+        if accumulate:
+            with ddp.no_sync():  # gradient accumulation: the first micro-batch stays local
+                _chunked_call(ddp, batches[0])
+        # The synchronizing call: afterwards every rank holds the ranks' average of the accumulated gradient.
+        _chunked_call(ddp, batches[1], generations_per_chunk=2)
+        results[rank] = [p.grad.clone() for p in model.parameters()]
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+WRAPPINGS = {
+    "default": {},
+    "find-unused": {"find_unused_parameters": True},
+    "static-graph": {"static_graph": True},
+}
+
+
+@pytest.mark.parametrize("accumulate", [False, True], ids=["one-call", "no_sync-then-sync"])
+@pytest.mark.parametrize("wrapping", list(WRAPPINGS))
+def test_chunked_backward_synchronizing_call_averages_over_ranks(wrapping, accumulate):
+    results = mp.Manager().dict()
+    spawn_ranks(_sync_worker, (free_port(), results, WRAPPINGS[wrapping], accumulate))
+    if wrapping == "static-graph":  # DDP's static-graph reducer allows one backward per forward: refused
+        assert all("static_graph=True" in results[rank] for rank in range(2))
+        return
+    reference = build_model("qwen2")
+    steps = (0, 1) if accumulate else (1,)
+    for rank in range(2):
+        for step in steps:
+            prompts, pmask, comps, cmask = make_batch(2, 3, prompt_len=9, completion_len=5, seed=rank + 2 * step)
+            out = compute_logps(
+                reference, prompts, comps, prompt_mask=pmask, completion_mask=cmask, temperature=0.8, backend="dense"
+            )
+            _loss(out).backward()
+    worst = 0.0
+    for i, param in enumerate(reference.parameters()):
+        averaged = param.grad / 2  # the sum over ranks (and micro-batches) of the dense gradients, averaged over ranks
+        for rank in range(2):
+            worst = max(worst, ((results[rank][i] - averaged).norm() / averaged.norm()).item())
+    # Both ranks hold the averaged dense gradient (so their replicas stay equal after the optimizer step).
+    print(f"largest relative gradient error {worst:.2g}")
+    assert worst <= 1e-5, f"largest relative gradient error {worst:.3g}"

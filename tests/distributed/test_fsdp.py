@@ -10,13 +10,22 @@ with the average of the two ranks' dense gradients (what FSDP's reduce-scatter c
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from support.distributed import GENERATIONS, concatenated, free_port, weighted_loss
+from support.distributed import (
+    GENERATIONS,
+    concatenated,
+    decoder_parts,
+    free_port,
+    full_gradients,
+    init_gloo,
+    spawn_ranks,
+    weighted_loss,
+    wrap_fsdp1,
+    wrap_fsdp2,
+)
 from support.tiny_models import build_model, make_batch, randomize_lora
 
 from shared_prefix_logps import chunked_backward, compute_logps, compute_logps_concatenated
@@ -36,89 +45,23 @@ def _batch(rank: int):
     return make_batch(2, GENERATIONS, prompt_len=9, completion_len=5, seed=rank)
 
 
-def _layers(model):
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return inner, inner.model.layers, inner.model.embed_tokens, inner.lm_head
-
-
-def _wrap_fsdp2(model):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mesh = init_device_mesh("cpu", (2,))
-    options = dict(mesh=mesh, reshard_after_forward=True, mp_policy=MixedPrecisionPolicy(cast_forward_inputs=True))
-    _, layers, embed, lm_head = _layers(model)
-    for layer in layers:
-        fully_shard(layer, **options)
-    fully_shard(embed, **options)
-    fully_shard(lm_head, **options)
-    fully_shard(model, **options)
-    return model
-
-
-def _wrap_fsdp1(model):
-    import functools
-
-    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-    # As accelerate's TRANSFORMER_BASED_WRAP does: each decoder layer a unit, embeddings and head in the root.
-    _, layers, _, _ = _layers(model)
-    policy = ModuleWrapPolicy({type(layers[0])})
-    wrap = functools.partial(
-        FullyShardedDataParallel,
-        auto_wrap_policy=policy,
-        use_orig_params=True,
-        mixed_precision=MixedPrecision(cast_forward_inputs=True),
-        # Named explicitly: FSDP1 picks an accelerator by itself and refuses CPU-only processes otherwise.
-        device_id=torch.device("cpu"),
-    )
-    return wrap(model)
-
-
-def _full_grads(engine, wrapped, names) -> dict:
-    if engine == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        with FullyShardedDataParallel.summon_full_params(wrapped, with_grads=True):
-            params = dict(wrapped.named_parameters())
-            return {name: _grad(params[_fsdp1_name(params, name)]) for name in names}
-    params = dict(wrapped.named_parameters())
-    result = {}
-    for name in names:
-        grad = params[name].grad
-        result[name] = None if grad is None else (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).clone()
-    return result
-
-
-def _fsdp1_name(params, name):
-    for candidate in params:
-        if candidate.replace("_fsdp_wrapped_module.", "") == name:
-            return candidate
-    raise KeyError(name)
-
-
-def _grad(param):
-    return None if param.grad is None else param.grad.detach().clone()
-
-
 def _worker(rank, port, results, engine, family, lora, checkpointing):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    torch.set_num_threads(1)
+    init_gloo(rank, port, timeout_s=120)
     try:
         model = _model(family, lora)
         names = [name for name, param in model.named_parameters() if param.requires_grad]
         if checkpointing:
-            _layers(model)[0].gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            decoder_parts(model)[0].gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
             model.train()  # checkpointing only runs in training mode; the tiny models have no dropout
-        wrapped = {"fsdp2": _wrap_fsdp2, "fsdp1": _wrap_fsdp1}[engine](model)
+        wrapped = {"fsdp2": wrap_fsdp2, "fsdp1": wrap_fsdp1}[engine](model)
         prompts, pmask, comps, cmask = _batch(rank)
         with torch.no_grad():
             scored = compute_logps_concatenated(wrapped, *concatenated(prompts, pmask, comps, cmask), comps.shape[1])
         out = compute_logps(wrapped, prompts, comps, prompt_mask=pmask, completion_mask=cmask, return_entropy=True)
         weighted_loss(out).backward()
-        grads = _full_grads(engine, wrapped, names)
+        grads = full_gradients(engine, wrapped, names)
         wrapped.zero_grad(set_to_none=True)
 
         def chunked_call():
@@ -139,7 +82,7 @@ def _worker(rank, port, results, engine, family, lora, checkpointing):
             logps=out.logps.detach(),
             chunked=chunked.logps,
             grads=grads,
-            chunked_grads=_full_grads(engine, wrapped, names),
+            chunked_grads=full_gradients(engine, wrapped, names),
         )
         if engine == "fsdp1":
             # Gradient accumulation as trainers run it: a micro-batch under no_sync (gradients stay unsharded and
@@ -148,7 +91,7 @@ def _worker(rank, port, results, engine, family, lora, checkpointing):
             with wrapped.no_sync():
                 chunked_call()
             chunked_call()
-            results[rank] = {**results[rank], "accumulated_grads": _full_grads(engine, wrapped, names)}
+            results[rank] = {**results[rank], "accumulated_grads": full_gradients(engine, wrapped, names)}
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -181,9 +124,8 @@ CASES = [
 
 @pytest.mark.parametrize("engine, family, lora, checkpointing", CASES)
 def test_fsdp_matches_dense(engine, family, lora, checkpointing):
-    manager = mp.Manager()
-    results = manager.dict()
-    mp.spawn(_worker, args=(free_port(), results, engine, family, lora, checkpointing), nprocs=2, join=True)
+    results = mp.Manager().dict()
+    spawn_ranks(_worker, (free_port(), results, engine, family, lora, checkpointing))
     dense_logps, dense_grads = _dense_reference(family, lora)
     for rank in range(2):
         got = results[rank]

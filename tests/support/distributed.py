@@ -43,3 +43,92 @@ def set_rank_environment(rank: int, port: int, world_size: int = 2) -> None:
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+
+
+def init_gloo(rank: int, port: int, world_size: int = 2, timeout_s: float = 30.0) -> None:
+    """Join a gloo process group on the loopback whose collectives give up after ``timeout_s`` (a rank left waiting
+    for a collective another rank never makes then raises instead of hanging)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    set_rank_environment(rank, port, world_size)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+    torch.set_num_threads(1)
+
+
+def spawn_ranks(worker, args: tuple, *, timeout_s: float = 180.0, world_size: int = 2) -> None:
+    """``mp.spawn(worker, args, nprocs=world_size)``, but a run still going after ``timeout_s`` is killed and
+    reported as a hang (an exception raised in a rank propagates as with ``mp.spawn``)."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(worker, args=args, nprocs=world_size, join=False)
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=max(0.5, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+            raise TimeoutError(f"the {world_size} ranks were still running after {timeout_s:.0f} s (hung)")
+
+
+def decoder_parts(model):
+    """``(causal LM, decoder layers, input embedding, lm_head)`` of a (PEFT-wrapped) tiny model."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inner, inner.model.layers, inner.model.embed_tokens, inner.lm_head
+
+
+def wrap_fsdp2(model):
+    """FSDP2 as trainers shard: each decoder layer, the embedding and the untied lm_head their own units, then the
+    root; ``reshard_after_forward=True``; forward inputs cast by the mixed-precision policy."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    options = dict(mesh=mesh, reshard_after_forward=True, mp_policy=MixedPrecisionPolicy(cast_forward_inputs=True))
+    _, layers, embed, lm_head = decoder_parts(model)
+    for layer in layers:
+        fully_shard(layer, **options)
+    fully_shard(embed, **options)
+    fully_shard(lm_head, **options)
+    fully_shard(model, **options)
+    return model
+
+
+def wrap_fsdp1(model):
+    """FSDP1 as accelerate's TRANSFORMER_BASED_WRAP: each decoder layer a unit, embeddings and head in the root."""
+    import functools
+
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    _, layers, _, _ = decoder_parts(model)
+    wrap = functools.partial(
+        FullyShardedDataParallel,
+        auto_wrap_policy=ModuleWrapPolicy({type(layers[0])}),
+        use_orig_params=True,
+        mixed_precision=MixedPrecision(cast_forward_inputs=True),
+        # Named explicitly: FSDP1 picks an accelerator by itself and refuses CPU-only processes otherwise.
+        device_id=torch.device("cpu"),
+    )
+    return wrap(model)
+
+
+def full_gradients(engine: str, wrapped, names) -> dict:
+    """Every named parameter's full (unsharded) gradient under ``engine`` (``ddp``, ``fsdp1`` or ``fsdp2``), or None
+    where it has none; a collective under FSDP: every rank calls it at the same point."""
+    if engine == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        with FullyShardedDataParallel.summon_full_params(wrapped, with_grads=True):
+            params = {key.replace("_fsdp_wrapped_module.", ""): p for key, p in wrapped.named_parameters()}
+            return {name: None if params[name].grad is None else params[name].grad.detach().clone() for name in names}
+    module = wrapped.module if engine == "ddp" else wrapped
+    params = dict(module.named_parameters())
+    result = {}
+    for name in names:
+        grad = params[name].grad
+        result[name] = None if grad is None else (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).clone()
+    return result

@@ -22,6 +22,10 @@ a hang, or a "collective mismatch" error, or worse. Under FSDP the plug-in there
   forward and backward, and the backward through the prompts run on every process. Padding and placeholder rows add
   exactly zero to the loss and to every gradient.
 
+:class:`Lockstep` is the core's (:mod:`shared_prefix_logps.distributed.lockstep`): the core entry points called inside
+a join make no agreement of their own. Calls made alike on every process (a chunked micro-batch of agreed shape, a
+grad-enabled call) keep the core's own agreement, a few integers all-reduced per call.
+
 The gradients themselves are FSDP's: under ``no_sync`` (accelerate's ``set_requires_gradient_sync(False)`` between
 accumulation boundaries) each backward accumulates locally; at the boundary each backward reduce-scatters its part,
 and the sharded gradients sum to the full one.
@@ -29,66 +33,6 @@ and the sharded gradients sum to the full one.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
+from ...distributed.lockstep import Lockstep
 
-import torch
-import torch.distributed as dist
-from torch import nn
-
-from .modules import eval_mode
-
-
-class Lockstep:
-    """Agreement between processes over the default process group, on ``device`` (the accelerator's)."""
-
-    def __init__(self, device: torch.device):
-        self.device = torch.device(device)
-        self.padding_forwards = 0  # one-token forwards made to keep in step (this process)
-
-    def max(self, value: int) -> int:
-        """The largest ``value`` of any process."""
-        tensor = torch.tensor([int(value)], dtype=torch.long, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-        return int(tensor.item())
-
-    def any(self, flag: bool) -> bool:
-        """Whether ``flag`` holds on any process."""
-        return self.max(int(bool(flag))) > 0
-
-    @contextlib.contextmanager
-    def forwards(self, model: nn.Module, pad: Callable[[], object] | None = None):
-        """Keep the block's no-grad forwards of ``model`` in step with the other processes' (a join).
-
-        Before each forward of ``model`` in the block, the process announces it (an all-reduce); a process that has left
-        the block keeps answering announcements, making a one-token forward (no gradient, eval mode, output dropped) for
-        each forward another process makes, until no process forwards any more. Every process must enter the block at
-        the same point; in it, ``model`` may be forwarded only without gradient, and no other collective may run (the
-        trainer's metric gathers stay outside). If the block raises, the error propagates without the join.
-
-        ``pad`` makes one padding forward of ``model`` (it runs without gradient, in eval mode; its result is dropped);
-        by default a one-token ``model(input_ids=...)``, which calls the same submodules, in the same order, as a
-        plain forward or a shared-prefix phase (the lm_head included). A block whose forwards call the model another
-        way (TRL's fused head, which reads the lm_head's weight without calling the lm_head) must pass a ``pad`` that
-        does the same: under ZeRO-3 a forward that skips a submodule skips that submodule's parameter gather, and the
-        processes' gathers would pair up wrongly.
-        """
-
-        def announce(module, args):
-            self.max(1)
-
-        # Before FSDP's own pre-forward hook, which gathers the root's parameters
-        handle = model.register_forward_pre_hook(announce, prepend=True)
-        try:
-            yield
-        finally:
-            handle.remove()
-        pad = pad if pad is not None else self._one_token_forward(model)
-        while self.max(0):
-            with torch.no_grad(), eval_mode(model):
-                pad()
-            self.padding_forwards += 1
-
-    def _one_token_forward(self, model: nn.Module) -> Callable[[], object]:
-        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        return lambda: model(input_ids=ids, use_cache=False)
+__all__ = ["Lockstep"]

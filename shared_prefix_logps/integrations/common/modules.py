@@ -3,9 +3,11 @@ temporary eval mode."""
 
 from __future__ import annotations
 
-import contextlib
-
 from torch import nn
+
+from ...distributed.lockstep import eval_mode
+
+__all__ = ["AutocastForward", "dropout_active", "eval_mode"]
 
 
 class AutocastForward(nn.Module):
@@ -38,15 +40,3 @@ def dropout_active(model: nn.Module) -> bool:
         if config is not None and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
             return True
     return False
-
-
-@contextlib.contextmanager
-def eval_mode(model: nn.Module):
-    """``model.eval()`` for the block, then every submodule's own ``training`` flag restored."""
-    flags = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        yield
-    finally:
-        for module, flag in flags:
-            module.training = flag

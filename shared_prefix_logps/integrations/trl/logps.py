@@ -22,6 +22,7 @@ import inspect
 import torch
 
 from ...api import compute_logps_concatenated
+from ...distributed.lockstep import caller_keeps_step
 from ...errors import UnsupportedModelError
 from ...model import unwrap_causal_lm
 from ..common.modules import AutocastForward, dropout_active, eval_mode
@@ -200,10 +201,11 @@ class LogpsPatch:
         with torch.no_grad(), eval_mode(model) if dropout else contextlib.nullcontext():
             if dropout:
                 with self._in_step(model):
-                    if checking:
-                        ours = self.compute(
-                            model, input_ids, attention_mask, logits_to_keep, compute_entropy, compute_aux
-                        )
+                    if checking:  # on this process only: no agreement with the others (caller_keeps_step)
+                        with caller_keeps_step():
+                            ours = self.compute(
+                                model, input_ids, attention_mask, logits_to_keep, compute_entropy, compute_aux
+                            )
                         if compute_aux:
                             aux_loss = sub_batch_aux_loss(ours.router, self._bound_batch_size(model, call))
             row = (input_ids[:1], attention_mask[:1], logits_to_keep)

@@ -29,6 +29,14 @@ def _lm_head_proxy_forward(self, hidden_states, *args, **kwargs):
     context = active_context()
     if context is None:
         return self._shared_prefix_original_forward(hidden_states, *args, **kwargs)
+    return _phase_head_forward(self, context, hidden_states, *args, **kwargs)
+
+
+@torch.compiler.disable
+def _phase_head_forward(self, context, hidden_states, *args, **kwargs):
+    """The lm_head inside the library's own forwards, run eagerly even inside a ``torch.compile``d model: it writes
+    into the phase context and attaches routes whose backward reads gradients stored by another node, which a traced
+    graph would freeze at its first call (the chunked fused head gains nothing from tracing either)."""
     if isinstance(context, HeadCheckContext):
         logits = self._shared_prefix_original_forward(hidden_states, *args, **kwargs)
         context.calls += 1

@@ -13,7 +13,12 @@ import torch
 from support.exactness import max_relative_grad_error, weighted_loss
 from support.tiny_models import build_model, make_batch
 
-from shared_prefix_logps import chunked_backward, compute_logps, compute_logps_concatenated
+from shared_prefix_logps import (
+    UnsupportedModelError,
+    chunked_backward,
+    compute_logps,
+    compute_logps_concatenated,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -141,6 +146,33 @@ def test_compiled_layers_with_gradient_checkpointing(use_reentrant):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
     model.train()
     check_entry_points(model, compiled(model, "layers", "aot_eager"), entry_points=("compute_logps",))
+
+
+def test_plain_forward_of_compiled_model_unchanged_and_one_graph():
+    """After the library has run, the compiled model's own forward still gives its logits, in one graph: the phase
+    lookups it passes through are guarded on a flag, not traced into graph breaks."""
+    from torch._dynamo.utils import counters
+
+    model = build_model("llama")
+    runner = compiled(model, "whole", "eager")
+    ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(ids).logits
+        prompts, pmask, comps, cmask = make_batch(2, 2, prompt_len=5, completion_len=3)
+        compute_logps(runner, prompts, comps, prompt_mask=pmask, completion_mask=cmask)
+        counters.clear()
+        got = runner(ids).logits
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert torch.allclose(got, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("form", ["whole", "layers"])
+def test_fullgraph_compilation_is_refused_with_a_clear_error(form):
+    model = build_model("llama")
+    runner = compiled(model, form, "eager", fullgraph=True)
+    prompts, pmask, comps, cmask = make_batch(2, 2, prompt_len=5, completion_len=3)
+    with pytest.raises(UnsupportedModelError, match="fullgraph=True"):
+        compute_logps(runner, prompts, comps, prompt_mask=pmask, completion_mask=cmask)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from support.exactness import max_relative_grad_error, weighted_loss
-from support.tiny_models import build_model, make_batch
+from support.tiny_models import build_model, make_batch, randomize_lora
 
 from shared_prefix_logps import (
     UnsupportedModelError,
@@ -103,8 +103,9 @@ def check_entry_points(model, runner, *, entry_points=("compute_logps", "chunked
     for entry, (logps_error, grad_error) in results.items():
         assert logps_error <= 1e-5, (entry, results)
         assert grad_error <= 1e-4, (entry, results)
-    # the check can fail: the gradients compared are not all zero
-    assert all(grad.norm() > 0 for name, grad in dense_grads.items() if "lm_head" in name or "norm" in name)
+    # the check can fail: every trainable parameter has a gradient to get wrong
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    assert all(dense_grads[name].norm() > 0 for name in trainable)
     return results
 
 
@@ -138,6 +139,13 @@ def test_layers_compiled_after_the_model_was_used():
     with torch.no_grad():
         compute_logps(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask)
     check_entry_points(model, compiled(model, "layers", "aot_eager"), entry_points=("compute_logps",))
+
+
+def test_peft_model_compiled_whole():
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(build_model("qwen2"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    randomize_lora(model)
+    check_entry_points(model, compiled(model, "whole", "aot_eager"), entry_points=("compute_logps",))
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])

@@ -23,6 +23,7 @@ from .forward.context import CONTEXT_KWARG, CaptureContext, PhaseHandle, SharedC
 from .forward.routing import release
 from .inputs import GroupedBatch
 from .model import PreparedModel
+from .model.compiled import graph_breaks_allowed
 from .model.installation import force_non_reentrant_checkpointing
 from .moe_router import token_sums
 from .output import scatter_valid
@@ -238,7 +239,11 @@ def _forward(prepared: PreparedModel, input_ids, position_ids, context, *, route
     with ``router``, its ``router_logits`` output (one (tokens, E) tensor per MoE layer), else None.
     """
     extra = {"output_router_logits": True} if router else {}
-    with force_non_reentrant_checkpointing(prepared.causal_lm), activated(context):
+    with (
+        force_non_reentrant_checkpointing(prepared.causal_lm),
+        activated(context),
+        graph_breaks_allowed(prepared.outer),
+    ):
         output = prepared.outer(
             input_ids=input_ids,
             position_ids=position_ids,

@@ -96,6 +96,19 @@ def _original_attention(module):
 def shared_prefix_attention(module, query, key, value, attention_mask, **kwargs):
     """transformers attention-interface entry point; see the module docstring for the dispatch."""
     handle = kwargs.pop(CONTEXT_KWARG, None)
+    if handle is None:
+        return _original_attention(module)(module, query, key, value, attention_mask, **kwargs)
+    return _phase_attention(module, query, key, value, attention_mask, handle, kwargs)
+
+
+@torch.compiler.disable
+def _phase_attention(module, query, key, value, attention_mask, handle, kwargs):
+    """The attention of a phase forward, run eagerly even inside a ``torch.compile``d model or layer.
+
+    It reads and fills the phase context (masks cached per phase, keys/values recorded per layer, routes whose
+    backward reads gradients stored by another node), which a traced graph would freeze at its first call: dynamo
+    breaks the graph here instead, so the model's projections, RoPE and MLP stay compiled around an exact attention.
+    """
     context = handle.context if isinstance(handle, PhaseHandle) else handle
     if context is None:
         return _original_attention(module)(module, query, key, value, attention_mask, **kwargs)

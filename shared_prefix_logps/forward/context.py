@@ -9,6 +9,7 @@ mask function are not handed model kwargs; they read the context of the forward 
 from __future__ import annotations
 
 import contextlib
+import threading
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -20,6 +21,13 @@ CONTEXT_KWARG = "shared_prefix_context"
 _ACTIVE: ContextVar[CaptureContext | SharedContext | HeadCheckContext | None] = ContextVar(
     "shared_prefix_logps_active", default=None
 )
+
+# Whether any thread is inside :func:`activated`, read before the ContextVar. Dynamo cannot trace a ContextVar lookup
+# (it breaks the graph at every lm_head and mask builder of a compiled model), but it guards on a module global: a
+# compiled plain forward then traces only this flag, stays one graph, and is recompiled if the flag changes.
+_ANY_ACTIVE = False
+_active_count = 0
+_count_lock = threading.Lock()
 
 
 @dataclass(eq=False)
@@ -165,14 +173,25 @@ def cached(context: CaptureContext | SharedContext, key, build):
 
 def active_context() -> CaptureContext | SharedContext | HeadCheckContext | None:
     """The phase context of the model call that is running, or None outside the library's calls."""
+    if not _ANY_ACTIVE:
+        return None
     return _ACTIVE.get()
+
+
+def _count_active(step: int) -> None:
+    global _ANY_ACTIVE, _active_count
+    with _count_lock:
+        _active_count += step
+        _ANY_ACTIVE = _active_count > 0
 
 
 @contextlib.contextmanager
 def activated(context: CaptureContext | SharedContext | HeadCheckContext):
     """Make ``context`` the active one for the duration of a model call."""
     token = _ACTIVE.set(context)
+    _count_active(1)
     try:
         yield context
     finally:
+        _count_active(-1)
         _ACTIVE.reset(token)

@@ -71,10 +71,18 @@ def _lm_head_proxy_forward(proxy: HeadProxy, hidden_states, *args, **kwargs):
 
     A module that is not the head of the running phase or check (a head PEFT wrapped after first use keeps its proxy
     inside the wrapper, which calls it) runs its own forward: only the head the phase was prepared with computes."""
-    self = proxy.module
     context = active_context()
     if context is None:
         return proxy.original_forward(hidden_states, *args, **kwargs)
+    return _phase_head_forward(proxy, context, hidden_states, *args, **kwargs)
+
+
+@torch.compiler.disable
+def _phase_head_forward(proxy: HeadProxy, context, hidden_states, *args, **kwargs):
+    """The lm_head inside the library's own forwards, run eagerly even inside a ``torch.compile``d model: it writes
+    into the phase context and attaches routes whose backward reads gradients stored by another node, which a traced
+    graph would freeze at its first call (the chunked fused head gains nothing from tracing either)."""
+    self = proxy.module
     if isinstance(context, HeadCheckContext):
         logits = proxy.original_forward(hidden_states, *args, **kwargs)
         if context.spec.lm_head is self:

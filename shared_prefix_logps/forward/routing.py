@@ -76,6 +76,9 @@ class _Release(torch.autograd.Function):
         return (torch.zeros(shape, dtype=dtype, device=device), *([None] * len(ctx.boxes)))
 
 
+# Both entry points run eagerly under torch.compile: a traced graph would evaluate the backward of _Attach at trace
+# time, when the box holds no gradient yet, and bake in zero gradients for every result.
+@torch.compiler.disable
 def attach(carrier: torch.Tensor, box: RouteBox, *results: torch.Tensor) -> torch.Tensor:
     """Inside a module: ``carrier`` unchanged (a view), with ``results`` riding on it; see the module docstring."""
     if not torch.is_grad_enabled() or not any(r.requires_grad for r in results):
@@ -84,6 +87,7 @@ def attach(carrier: torch.Tensor, box: RouteBox, *results: torch.Tensor) -> torc
     return _Attach.apply(carrier, box, *results)
 
 
+@torch.compiler.disable
 def release(output: torch.Tensor, boxes: list[RouteBox]) -> list[torch.Tensor]:
     """After the forward: every box's results, in order, their gradient routed through ``output`` (a tensor the
     outermost module returned, derived from every carrier)."""

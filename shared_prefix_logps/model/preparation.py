@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..forward.head_proxy import install_head_proxy
+from .compiled import graph_breaks_allowed
 from .discovery import HeadSpec, check_supported, head_spec, rope_length_limit, vocab_rows
 from .head_check import head_signature, verify_head
 from .installation import install_attention
@@ -73,6 +74,7 @@ def prepare_model(model: nn.Module) -> PreparedModel:
     signature = head_signature(prepared)
     verified = causal_lm.__dict__.setdefault(_VERIFIED_ATTRIBUTE, set())
     if signature not in verified:
-        verify_head(prepared)
+        with graph_breaks_allowed(model):
+            verify_head(prepared)
         verified.add(signature)
     return prepared

@@ -3,13 +3,16 @@ else through OpenRLHF's own forward; installing it on one actor and undoing it e
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from ...api import compute_logps_concatenated
 from ...model import prepare_model
+from ..common.lockstep import Lockstep
 from ..common.modules import dropout_active
 from ..common.patching import Unpatched, replace_attribute, restore_attributes
 from ..common.self_check import SelfCheckError, compare, default_tolerance
@@ -29,6 +32,18 @@ class ActorStats(PatchStats):
     in ``grad_calls``: how many prompts the micro-batch shared (rows / prompts completions per forwarded prompt)."""
 
     grad_calls: list[tuple[int, int]] = field(default_factory=list)
+
+
+def make_lockstep(model) -> Lockstep | None:
+    """A :class:`Lockstep` when ``model`` is partitioned by DeepSpeed ZeRO-3 over several processes (every submodule's
+    forward gathers its parameters: the processes must make the same model calls whatever their rows), else None."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    parameter = next(iter(model.parameters()), None)
+    if parameter is None or not hasattr(parameter, "ds_id"):
+        return None
+    device = parameter.device if parameter.device.type != "cpu" else torch.device("cpu")
+    return Lockstep(device)
 
 
 def _model_dtype(model) -> torch.dtype:
@@ -67,6 +82,8 @@ class ActorPatch:
         self._checked: set[bool] = set()  # grad modes already self-checked
         self._unpatched = Unpatched(actor, "forward")
         prepare_model(actor.model)  # an unsupported model fails here, not at the first training step
+        # under ZeRO-3: fallbacks and self-checks agreed, no-grad forwards joined (see ..common.lockstep)
+        self.lockstep = make_lockstep(actor.model)
 
     def original(self, *args, **kwargs):
         """OpenRLHF's own forward of this actor (under :func:`~.install.install`, the one the class had before)."""
@@ -109,6 +126,8 @@ class ActorPatch:
     def __call__(self, *args, **kwargs):
         arguments = self._arguments(args, kwargs)
         reason = self.fallback_reason(arguments)
+        if self.lockstep is not None and self.lockstep.any(reason is not None) and reason is None:
+            reason = "another process falls back (ZeRO-3: all processes take the same path)"
         if reason is not None:
             self.stats.count_fallback(reason)
             self.warn(f"shared_prefix_logps: OpenRLHF's own Actor.forward serves this call: {reason}")
@@ -120,15 +139,18 @@ class ActorPatch:
         return_entropy = bool(a.get("return_entropy"))
         length, actions = sequences.shape[1], action_mask.shape[1]
         rows = to_shared_layout(sequences, attention_mask, action_mask)
-        out = compute_logps_concatenated(
-            self.actor.model,
-            rows.input_ids,
-            rows.attention_mask,
-            rows.completion_width,
-            temperature=float(getattr(self.actor, "temperature", 1.0)),
-            return_entropy=return_entropy,
-            backend=self.backend,
-        )
+        # no-grad scoring may split a process's rows into a number of forwards of its own: join them
+        join = self.lockstep is not None and not torch.is_grad_enabled()
+        with self.lockstep.forwards(self.actor.model) if join else contextlib.nullcontext():
+            out = compute_logps_concatenated(
+                self.actor.model,
+                rows.input_ids,
+                rows.attention_mask,
+                rows.completion_width,
+                temperature=float(getattr(self.actor, "temperature", 1.0)),
+                return_entropy=return_entropy,
+                backend=self.backend,
+            )
         action_log_probs = to_actor_layout(out.logps, rows, length)[:, -actions:] * action_mask.float()
         entropy = to_actor_layout(out.entropy, rows, length) if return_entropy else None
 
@@ -147,7 +169,10 @@ class ActorPatch:
         grad = torch.is_grad_enabled()
         what = "action log-probs (grad)" if grad else "action log-probs (no grad)"
         valid = action_mask != 0
-        if not bool(valid.any()):
+        trivial = not bool(valid.any())
+        if self.lockstep is not None:
+            trivial = self.lockstep.any(trivial)  # the check's forward is a collective: all check, or none
+        if trivial:
             self.stats.count_trivial_check(what)
             return
         if dropout_active(self.actor.model):

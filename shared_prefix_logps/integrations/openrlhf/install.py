@@ -73,9 +73,12 @@ def install() -> bool:
     """Patch ``openrlhf.models.Actor.forward`` for every actor of this process (and, with the group-order option, the
     training order). Returns False if it was installed already."""
     options = options_from_environment()
-    if options["group_order"]:
-        install_group_order()
     cls = _actor_class()
+    if options["group_order"]:
+        try:
+            install_group_order()
+        except ImportError as error:  # a process without OpenRLHF's trainer (e.g. without vLLM): actors still served
+            warnings.warn(f"shared_prefix_logps: no group-preserving order in this process: {error}", stacklevel=2)
     current = cls.__dict__["forward"]
     if getattr(current, ORIGINAL_ATTRIBUTE, None) is not None:
         return False

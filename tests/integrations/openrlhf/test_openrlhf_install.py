@@ -95,3 +95,19 @@ def test_launcher_runs_openrlhf_with_the_hook(installed, monkeypatch):
     assert calls[1]["runtime_env"]["worker_process_setup_hook"] == SETUP_HOOK
     assert calls[1]["runtime_env"]["env_vars"]["TOKENIZERS_PARALLELISM"] == "true"
     assert "_shared_prefix_logps_original" in vars(installed.__dict__["forward"])
+
+
+def test_group_order_option(installed, monkeypatch):
+    """SHARED_PREFIX_LOGPS_OPENRLHF_GROUP_ORDER=1: the worker hook also installs the group-preserving order."""
+    from support.openrlhf_setup import import_ppo_actor
+
+    from shared_prefix_logps.integrations.openrlhf import uninstall_group_order
+
+    ppo_actor = import_ppo_actor()
+    monkeypatch.setenv("SHARED_PREFIX_LOGPS_OPENRLHF_GROUP_ORDER", "1")
+    setup_worker()
+    try:
+        assert ppo_actor.DataLoader is not torch.utils.data.DataLoader
+    finally:
+        assert uninstall_group_order() is True
+    assert ppo_actor.DataLoader is torch.utils.data.DataLoader

@@ -7,6 +7,8 @@ import copy
 import sys
 
 import pytest
+
+pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (make test-openrlhf)")
 import torch
 from support.openrlhf_setup import import_openrlhf, make_actor, openrlhf_rows
 

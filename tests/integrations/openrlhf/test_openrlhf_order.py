@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-import torch
+import pytest
+
+pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (make test-openrlhf)")
+
+import torch  # noqa: E402
 from support.openrlhf_setup import import_ppo_actor, openrlhf_rows
 
 from shared_prefix_logps.integrations.openrlhf import install_group_order, uninstall_group_order

@@ -6,6 +6,8 @@ full gradient of OpenRLHF's PolicyLoss against the mean over ranks of the unpatc
 from __future__ import annotations
 
 import pytest
+
+pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (make test-openrlhf)")
 import torch
 import torch.multiprocessing as mp
 from support.distributed import free_port, set_rank_environment

@@ -132,9 +132,9 @@ class ActorPatch:
             self.stats.count_fallback(reason)
             self.warn(f"shared_prefix_logps: OpenRLHF's own Actor.forward serves this call: {reason}")
             return self.original(*args, **kwargs)
-        return self.serve(arguments, args, kwargs)
+        return self.serve(arguments)
 
-    def serve(self, a: dict, args, kwargs):
+    def serve(self, a: dict):
         sequences, attention_mask, action_mask = a["sequences"], a["attention_mask"], a["action_mask"]
         return_entropy = bool(a.get("return_entropy"))
         length, actions = sequences.shape[1], action_mask.shape[1]
@@ -160,12 +160,12 @@ class ActorPatch:
         if torch.is_grad_enabled():
             self.stats.grad_calls.append((int(sequences.shape[0]), self.stats.distinct_prompts - distinct_before))
         if self.self_check and torch.is_grad_enabled() not in self._checked:
-            self._check(action_log_probs, entropy, action_mask, args, kwargs)
+            self._check(action_log_probs, entropy, action_mask, a)
         if a.get("return_output"):
             return action_log_probs, SharedPrefixActorOutput(entropy)
         return action_log_probs
 
-    def _check(self, action_log_probs, entropy, action_mask, args, kwargs) -> None:
+    def _check(self, action_log_probs, entropy, action_mask, arguments: dict) -> None:
         grad = torch.is_grad_enabled()
         what = "action log-probs (grad)" if grad else "action log-probs (no grad)"
         valid = action_mask != 0
@@ -179,11 +179,13 @@ class ActorPatch:
             # two forwards with dropout differ by design; the check waits for an eval-mode call
             self.stats.count_trivial_check(what)
             return
-        call_kwargs = dict(kwargs)
+        # the call as made, by name (whatever was passed positionally), asking for the entropy where it was served
+        call = {name: value for name, value in arguments.items() if name != "extra_inputs"}
+        call.update(arguments.get("extra_inputs") or {})
         if entropy is not None:
-            call_kwargs.update(return_output=True, return_entropy=True)
+            call.update(return_output=True, return_entropy=True)
         with torch.no_grad():
-            reference = self.original(*args, **call_kwargs)
+            reference = self.original(**call)
         reference_entropy = None
         if isinstance(reference, tuple):
             reference, output = reference

@@ -140,3 +140,16 @@ def test_unpatch_restores_openrlhf_forward():
         assert torch.equal(actor(sequences, actions, attention), before)
     with pytest.raises(ValueError, match="not patched"):
         unpatch_actor(actor)
+
+
+def test_positional_return_output_is_served_and_self_checked():
+    """``return_output`` passed by position (as Actor.forward's signature allows): served, and the self-check's own
+    forward repeats the call by name with the entropy, so both quantities are compared."""
+    patched, reference = _pair()
+    sequences, attention, actions = openrlhf_rows(2, 3, seed=4)
+    with torch.no_grad():
+        ours, output = patched(sequences, actions, attention, True, return_entropy=True)
+        theirs, _ = reference(sequences, actions, attention, True, return_entropy=True)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    (check,) = get_patch(patched).stats.self_checks
+    assert check.passed and check.max_abs_entropy is not None and check.max_abs_entropy < 1e-5

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test test-min-transformers test-verl lint gpu clean
+.PHONY: demo test test-min-transformers test-verl test-openrlhf lint gpu clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,28 @@ test-verl: $(VERL_VENV)/.installed
 	$(VERL_PY) -c "import verl; print('verl', verl.__version__)"
 	$(VERL_PY) -m pytest -p no:cacheprovider -q -ra $(VERL_TESTS)
 
+# The OpenRLHF plug-in's tests in their own venv: OpenRLHF pins transformers and deepspeed, and requires flash-attn
+# and vLLM, which build only against CUDA. OpenRLHF is installed without its dependencies, then with the ones its
+# actor, losses, replay buffer and launcher import (its own pins); flash-attn, vLLM, bitsandbytes, wandb and
+# ray[default]'s dashboard extras are left out (the tests stand in for flash-attn and vLLM, whose functions only
+# packing, ring attention and generation call: tests/support/openrlhf_setup.py).
+OPENRLHF_VENV ?= .venv-openrlhf
+OPENRLHF_PY := $(OPENRLHF_VENV)/bin/python
+OPENRLHF_SPEC ?= openrlhf==0.11.2
+OPENRLHF_DEPS := "transformers==5.15.0" "deepspeed==0.19.6" "ray==2.55.0" peft accelerate datasets einops tqdm optree \
+	jsonlines torchmetrics torchdata pylatexenc sympy isort aiohttp tensorboard
+
+$(OPENRLHF_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(OPENRLHF_VENV)
+	$(OPENRLHF_PY) -c "import torch" 2>/dev/null || $(OPENRLHF_PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
+	$(OPENRLHF_PY) -m pip install --quiet --disable-pip-version-check --no-deps "$(OPENRLHF_SPEC)"
+	$(OPENRLHF_PY) -m pip install --quiet --disable-pip-version-check $(OPENRLHF_DEPS) -e ".[dev]"
+	touch $@
+
+test-openrlhf: $(OPENRLHF_VENV)/.installed
+	$(OPENRLHF_PY) -c "import importlib.metadata as m; print('openrlhf', m.version('openrlhf'))"
+	$(OPENRLHF_PY) -m pytest -p no:cacheprovider -q -ra tests/integrations/openrlhf
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
@@ -65,4 +87,4 @@ gpu:
 	bash benchmarks/run_gpu.sh
 
 clean:
-	rm -rf $(VENV) $(MIN_VENV) $(VERL_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(MIN_VENV) $(VERL_VENV) $(OPENRLHF_VENV) .pytest_cache .ruff_cache

@@ -4,6 +4,7 @@ from .api import compute_logps, compute_logps_concatenated
 from .chunked import chunked_backward
 from .errors import UnsupportedModelError
 from .output import LogpsOutput
+from .tree.api import compute_logps_tree
 
 __all__ = [
     "LogpsOutput",
@@ -11,5 +12,6 @@ __all__ = [
     "chunked_backward",
     "compute_logps",
     "compute_logps_concatenated",
+    "compute_logps_tree",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,95 @@
+"""``compute_logps_tree``: log-probs of rows of any shape, every prefix they share forwarded once."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..inputs import check_options
+from ..model import prepare_model
+from ..output import LogpsOutput
+from .dense import dense_tree_logps
+from .forward import forward_call
+from .inputs import check_tree_rows
+from .plan import CallPlanner, levels, scored_pairs
+from .trie import build_trie
+
+
+def compute_logps_tree(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    score_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    backend: str = "auto",
+    token_budget: int | None = None,
+    return_router_stats: bool = False,
+) -> LogpsOutput:
+    """Per-token log-probs of rows that share prefixes at any depth, each shared prefix forwarded once.
+
+    The library finds the token trie of the rows (longest common prefixes between any rows, across prompts too).
+    Each trie node's tokens are forwarded once, attending over its ancestors' keys/values and causally over its
+    own; gradients reach every ancestor through those keys/values. One forward per trie depth.
+
+    Args:
+        model: as for :func:`~shared_prefix_logps.compute_logps`.
+        input_ids: (N, L) int64; each row's real tokens contiguous (left- or right-padded, as its mask says).
+        attention_mask: (N, L) bool/0-1, True on real tokens. A token's position is the number of real tokens
+            before it in its row.
+        score_mask: (N, L) bool/0-1: the positions t whose ``log p(x_t | x_<t)`` is wanted; only on real tokens after
+            a row's first; holes allowed.
+        temperature, return_entropy: as for :func:`~shared_prefix_logps.compute_logps`.
+        backend: ``"auto"``/``"expand"`` (nodes gather their ancestors' keys/values) or ``"dense"`` (every row
+            through the model's own forward, the reference).
+        token_budget: accepted for signature compatibility; no-grad calls are not yet cut by it.
+        return_router_stats: not available for trees yet (raises).
+
+    Returns:
+        :class:`LogpsOutput` with (N, L) float32 ``logps`` (and ``entropy``), 0 where not scored, and ``mask`` =
+        ``score_mask``.
+    """
+    check_options(temperature, backend, token_budget)
+    if return_router_stats:
+        raise ValueError(
+            "return_router_stats is not available for compute_logps_tree yet; use compute_logps for the router "
+            "statistics"
+        )
+    prepared = prepare_model(model)
+    rows = check_tree_rows(input_ids, attention_mask, score_mask, model=prepared)
+    temperature = float(temperature)
+    if backend == "dense":
+        logps, entropy = dense_tree_logps(prepared, rows, temperature=temperature, return_entropy=return_entropy)
+        return LogpsOutput(logps, entropy, rows.score_mask)
+    if backend == "flex":
+        raise ValueError("compute_logps_tree supports backend 'expand' or 'dense' for now, got 'flex'")
+    # auto and expand: nodes gather their ancestors' keys/values (on CUDA too, until flex serves trees).
+    trie = build_trie(rows.justified, rows.lengths)
+    pairs = scored_pairs(trie, rows)
+    logps = torch.zeros(rows.score_mask.shape, device=prepared.device)
+    entropy = torch.zeros_like(logps) if return_entropy else None
+    if trie.num_nodes == 0 or (pairs.target.numel() == 0 and not torch.is_grad_enabled()):
+        return LogpsOutput(logps, entropy, rows.score_mask)
+    planner = CallPlanner(trie, pairs)
+    stores, pair_ids, pair_logps, pair_entropy = [], [], [], []
+    for nodes in levels(trie):
+        call = planner.plan(nodes)
+        context = forward_call(
+            prepared,
+            call.to(prepared.device),
+            [stores[source] for source in call.sources],
+            temperature=temperature,
+            return_entropy=return_entropy,
+        )
+        stores.append(context.kv)
+        pair_ids.append(call.head_pairs)
+        pair_logps.append(context.logps)
+        pair_entropy.append(context.entropy)
+    # Results are per call; put them in pair order, then one per scored position (row-major).
+    order = torch.argsort(torch.cat(pair_ids)).to(prepared.device)
+    of_scored = pairs.of_scored.to(prepared.device)
+    logps = logps.masked_scatter(rows.score_mask, torch.cat(pair_logps)[order][of_scored])
+    if return_entropy:
+        entropy = entropy.masked_scatter(rows.score_mask, torch.cat(pair_entropy)[order][of_scored])
+    return LogpsOutput(logps, entropy, rows.score_mask)

@@ -8,11 +8,13 @@ from torch import nn
 from ..inputs import check_options
 from ..model import prepare_model
 from ..output import LogpsOutput
+from ..token_budget import DEFAULT_TOKEN_BUDGET
 from .dense import dense_tree_logps
 from .forward import forward_call
 from .inputs import check_tree_rows
 from .plan import CallPlanner, levels, scored_pairs
 from .trie import build_trie
+from .walk import TreeWalk
 
 
 def compute_logps_tree(
@@ -31,7 +33,8 @@ def compute_logps_tree(
 
     The library finds the token trie of the rows (longest common prefixes between any rows, across prompts too).
     Each trie node's tokens are forwarded once, attending over its ancestors' keys/values and causally over its
-    own; gradients reach every ancestor through those keys/values. One forward per trie depth.
+    own; gradients reach every ancestor through those keys/values. With gradients, one forward per trie depth;
+    without, a depth-first walk within ``token_budget``.
 
     Args:
         model: as for :func:`~shared_prefix_logps.compute_logps`.
@@ -43,7 +46,10 @@ def compute_logps_tree(
         temperature, return_entropy: as for :func:`~shared_prefix_logps.compute_logps`.
         backend: ``"auto"``/``"expand"`` (nodes gather their ancestors' keys/values) or ``"dense"`` (every row
             through the model's own forward, the reference).
-        token_budget: accepted for signature compatibility; no-grad calls are not yet cut by it.
+        token_budget: under ``torch.no_grad()``, the most keys a chunk of rows attends over (each new node counts its
+            ancestors' tokens and its own); rows are scored depth-first in such chunks and each node's keys/values
+            freed once no later row needs them, so peak memory does not grow with the number of rows. Default
+            ``DEFAULT_TOKEN_BUDGET``. Ignored when gradients are enabled (one forward per trie depth).
         return_router_stats: not available for trees yet (raises).
 
     Returns:
@@ -65,12 +71,14 @@ def compute_logps_tree(
     if backend == "flex":
         raise ValueError("compute_logps_tree supports backend 'expand' or 'dense' for now, got 'flex'")
     # auto and expand: nodes gather their ancestors' keys/values (on CUDA too, until flex serves trees).
-    trie = build_trie(rows.justified, rows.lengths)
+    trie = build_trie(rows.justified(), rows.lengths)
     pairs = scored_pairs(trie, rows)
     logps = torch.zeros(rows.score_mask.shape, device=prepared.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
     if trie.num_nodes == 0 or (pairs.target.numel() == 0 and not torch.is_grad_enabled()):
         return LogpsOutput(logps, entropy, rows.score_mask)
+    if not torch.is_grad_enabled():
+        return _walk_without_grad(prepared, trie, rows, temperature, return_entropy, token_budget)
     planner = CallPlanner(trie, pairs)
     stores, pair_ids, pair_logps, pair_entropy = [], [], [], []
     for nodes in levels(trie):
@@ -92,4 +100,20 @@ def compute_logps_tree(
     logps = logps.masked_scatter(rows.score_mask, torch.cat(pair_logps)[order][of_scored])
     if return_entropy:
         entropy = entropy.masked_scatter(rows.score_mask, torch.cat(pair_entropy)[order][of_scored])
+    return LogpsOutput(logps, entropy, rows.score_mask)
+
+
+def _walk_without_grad(prepared, trie, rows, temperature, return_entropy, token_budget) -> LogpsOutput:
+    """No-grad scoring depth-first, in chunks of rows within the token budget, each node call freed once no later
+    row passes through it: peak memory is that of the widest chunk's paths, whatever the number of rows."""
+    walk = TreeWalk(prepared, trie, rows, temperature, return_entropy, driver=None)
+    logps = torch.zeros(rows.score_mask.shape, device=prepared.device)
+    entropy = torch.zeros_like(logps) if return_entropy else None
+    for chunk in walk.chunks(token_budget=token_budget or DEFAULT_TOKEN_BUDGET):
+        out = walk.forward_chunk(chunk)
+        logps[chunk] = out.logps
+        if return_entropy:
+            entropy[chunk] = out.entropy
+        del out
+        walk.finish_rows(chunk)
     return LogpsOutput(logps, entropy, rows.score_mask)

@@ -19,7 +19,6 @@ class TreeRows:
         score_mask: (N, L) bool, True only on real tokens after each row's first.
         first_column: (N,) int64, column of each row's first real token (0 for an empty row).
         lengths: (N,) int64, real tokens per row.
-        justified: (N, max length) int64, each row's real tokens moved to the left (0 after them).
     """
 
     input_ids: torch.Tensor
@@ -27,7 +26,13 @@ class TreeRows:
     score_mask: torch.Tensor
     first_column: torch.Tensor
     lengths: torch.Tensor
-    justified: torch.Tensor
+
+    def justified(self) -> torch.Tensor:
+        """(N, longest row) int64, each row's real tokens moved to the left (0 after them)."""
+        width = int(self.lengths.max())
+        inner = torch.arange(width, device=self.input_ids.device)
+        columns = (self.first_column[:, None] + inner[None, :]).clamp(max=max(self.input_ids.shape[1] - 1, 0))
+        return self.input_ids.gather(1, columns).masked_fill(inner[None, :] >= self.lengths[:, None], 0)
 
 
 def check_tree_rows(input_ids, attention_mask, score_mask, *, model) -> TreeRows:
@@ -79,8 +84,4 @@ def check_tree_rows(input_ids, attention_mask, score_mask, *, model) -> TreeRows
             f"[0, {model.output_vocab_size})"
         )
     check_rope_length(model, int(lengths.max()))
-    ids = ids.masked_fill(~mask, 0)
-    width = int(lengths.max())
-    gather = (first[:, None] + torch.arange(width, device=device)[None, :]).clamp(max=max(ids.shape[1] - 1, 0))
-    justified = ids.gather(1, gather).masked_fill(torch.arange(width, device=device)[None, :] >= lengths[:, None], 0)
-    return TreeRows(ids, mask, scored, first, lengths, justified)
+    return TreeRows(ids.masked_fill(~mask, 0), mask, scored, first, lengths)

@@ -6,12 +6,12 @@ import torch
 from torch import nn
 
 from ..inputs import check_options
-from ..model import prepare_model
+from ..model import PreparedModel, prepare_model
 from ..output import LogpsOutput
 from ..token_budget import DEFAULT_TOKEN_BUDGET
 from .dense import dense_tree_logps
 from .forward import forward_call
-from .inputs import check_tree_rows
+from .inputs import TreeRows, check_tree_rows
 from .plan import CallPlanner, levels, scored_pairs
 from .trie import build_trie
 from .walk import TreeWalk
@@ -71,6 +71,16 @@ def compute_logps_tree(
     if backend == "flex":
         raise ValueError("compute_logps_tree supports backend 'expand' or 'dense' for now, got 'flex'")
     # auto and expand: nodes gather their ancestors' keys/values (on CUDA too, until flex serves trees).
+    return score_tree_rows(
+        prepared, rows, temperature=temperature, return_entropy=return_entropy, token_budget=token_budget
+    )
+
+
+def score_tree_rows(
+    prepared: PreparedModel, rows: TreeRows, *, temperature: float, return_entropy: bool, token_budget: int | None
+) -> LogpsOutput:
+    """The ``expand`` tree pass over validated ``rows``: one forward per trie depth with gradients, the
+    depth-first walk within ``token_budget`` without; (N, L) outputs as :func:`compute_logps_tree` returns them."""
     trie = build_trie(rows.justified(), rows.lengths)
     pairs = scored_pairs(trie, rows)
     logps = torch.zeros(rows.score_mask.shape, device=prepared.device)

@@ -1,0 +1,67 @@
+"""Deeper sharing for the one-level entry points (``compute_logps``, ``compute_logps_concatenated``): when distinct
+prompts share a prefix among themselves (a common system prompt), the rows ``[prompt | completion]`` are scored as a
+prefix tree, so that prefix is forwarded once instead of once per prompt. Where the prompts share too little, the
+one-level path runs as before."""
+
+from __future__ import annotations
+
+import torch
+
+from ..inputs import GroupedBatch
+from ..model import PreparedModel
+from ..output import LogpsOutput
+from .api import score_tree_rows
+from .inputs import TreeRows
+from .trie import build_trie
+
+#: Fewest prompt tokens the trie must save over one-level sharing before the tree pass replaces it. The tree pass
+#: costs one more forward per extra trie depth (a fixed cost per layer: kernel launches, weight reads), which a few
+#: shared tokens do not pay for. 64 tokens is a conservative choice, not yet measured on a GPU.
+DEEPER_SHARING_MIN_TOKENS = 64
+
+
+def prompt_tokens_saved(batch: GroupedBatch) -> int:
+    """Prompt tokens a trie over the distinct prompts forwards fewer than one-level sharing (each prompt once)."""
+    mask = batch.prompt_mask
+    lengths = mask.sum(1)
+    width = mask.shape[1]
+    inner = torch.arange(width, device=mask.device)
+    columns = (width - lengths)[:, None] + inner[None, :]
+    justified = batch.prompt_ids.gather(1, columns.clamp(max=width - 1)).masked_fill(
+        inner[None, :] >= lengths[:, None], 0
+    )
+    trie = build_trie(justified, lengths)
+    return int(lengths.sum()) - trie.num_tokens
+
+
+def deeper_sharing_pays(batch: GroupedBatch) -> bool:
+    """Whether the tree pass saves at least :data:`DEEPER_SHARING_MIN_TOKENS` prompt tokens over one-level sharing."""
+    return batch.prompt_ids.shape[0] > 1 and prompt_tokens_saved(batch) >= DEEPER_SHARING_MIN_TOKENS
+
+
+def score_grouped_as_tree(
+    prepared: PreparedModel,
+    batch: GroupedBatch,
+    *,
+    temperature: float,
+    return_entropy: bool,
+    token_budget: int | None,
+) -> LogpsOutput:
+    """The one-level entry points' result, (rows, C), from the tree pass over the rows ``[prompt | completion]``.
+
+    The rows are left-padded prompt then right-padded completion: their real tokens are contiguous, and each scored
+    completion token follows at least one prompt token.
+    """
+    group = batch.group_index
+    prompt_mask = batch.prompt_mask[group]
+    ids = torch.cat([batch.prompt_ids[group], batch.completion_ids], dim=1)
+    mask = torch.cat([prompt_mask, batch.completion_mask], dim=1)
+    score = torch.cat([torch.zeros_like(prompt_mask), batch.completion_mask], dim=1)
+    lengths = mask.sum(1)
+    rows = TreeRows(ids, mask, score, prompt_mask.shape[1] - prompt_mask.sum(1), lengths)
+    out = score_tree_rows(
+        prepared, rows, temperature=temperature, return_entropy=return_entropy, token_budget=token_budget
+    )
+    width = batch.prompt_ids.shape[1]
+    entropy = None if out.entropy is None else out.entropy[:, width:]
+    return LogpsOutput(out.logps[:, width:], entropy, batch.completion_mask)

@@ -44,8 +44,10 @@ def compute_logps_tree(
         score_mask: (N, L) bool/0-1: the positions t whose ``log p(x_t | x_<t)`` is wanted; only on real tokens after
             a row's first; holes allowed.
         temperature, return_entropy: as for :func:`~shared_prefix_logps.compute_logps`.
-        backend: ``"auto"``/``"expand"`` (nodes gather their ancestors' keys/values) or ``"dense"`` (every row
-            through the model's own forward, the reference).
+        backend: ``"auto"``/``"expand"`` (nodes gather their ancestors' keys/values), ``"flex"`` (packed, one
+            flex_attention call per layer over the ancestors' keys/values in place, a mask from the trie's structure;
+            without gradients on CPU, as torch's flex has no CPU backward) or ``"dense"`` (every row through the
+            model's own forward, the reference).
         token_budget: under ``torch.no_grad()``, the most keys a chunk of rows attends over (each new node counts its
             ancestors' tokens and its own); rows are scored depth-first in such chunks and each node's keys/values
             freed once no later row needs them, so peak memory does not grow with the number of rows. Default
@@ -69,18 +71,32 @@ def compute_logps_tree(
         logps, entropy = dense_tree_logps(prepared, rows, temperature=temperature, return_entropy=return_entropy)
         return LogpsOutput(logps, entropy, rows.score_mask)
     if backend == "flex":
-        raise ValueError("compute_logps_tree supports backend 'expand' or 'dense' for now, got 'flex'")
-    # auto and expand: nodes gather their ancestors' keys/values (on CUDA too, until flex serves trees).
+        from ..api import resolve_attention_backend  # ..api reaches this module through tree/grouped.py
+
+        resolve_attention_backend(backend, prepared.device)  # refuses flex where torch lacks it (or its backward)
+    # auto is expand everywhere, CUDA included, until the flex layout of trees has run on a GPU.
     return score_tree_rows(
-        prepared, rows, temperature=temperature, return_entropy=return_entropy, token_budget=token_budget
+        prepared,
+        rows,
+        temperature=temperature,
+        return_entropy=return_entropy,
+        token_budget=token_budget,
+        packed=backend == "flex",
     )
 
 
 def score_tree_rows(
-    prepared: PreparedModel, rows: TreeRows, *, temperature: float, return_entropy: bool, token_budget: int | None
+    prepared: PreparedModel,
+    rows: TreeRows,
+    *,
+    temperature: float,
+    return_entropy: bool,
+    token_budget: int | None,
+    packed: bool = False,
 ) -> LogpsOutput:
-    """The ``expand`` tree pass over validated ``rows``: one forward per trie depth with gradients, the
-    depth-first walk within ``token_budget`` without; (N, L) outputs as :func:`compute_logps_tree` returns them."""
+    """The tree pass over validated ``rows`` (``packed``: the flex layout, else expand): one forward per trie depth
+    with gradients, the depth-first walk within ``token_budget`` without; (N, L) outputs as
+    :func:`compute_logps_tree` returns them."""
     trie = build_trie(rows.justified(), rows.lengths)
     pairs = scored_pairs(trie, rows)
     logps = torch.zeros(rows.score_mask.shape, device=prepared.device)
@@ -88,7 +104,7 @@ def score_tree_rows(
     if trie.num_nodes == 0 or (pairs.target.numel() == 0 and not torch.is_grad_enabled()):
         return LogpsOutput(logps, entropy, rows.score_mask)
     if not torch.is_grad_enabled():
-        return _walk_without_grad(prepared, trie, rows, temperature, return_entropy, token_budget)
+        return _walk_without_grad(prepared, trie, rows, temperature, return_entropy, token_budget, packed)
     planner = CallPlanner(trie, pairs)
     stores, pair_ids, pair_logps, pair_entropy = [], [], [], []
     for nodes in levels(trie):
@@ -99,6 +115,7 @@ def score_tree_rows(
             [stores[source] for source in call.sources],
             temperature=temperature,
             return_entropy=return_entropy,
+            packed=packed,
         )
         stores.append(context.kv)
         pair_ids.append(call.head_pairs)
@@ -113,10 +130,10 @@ def score_tree_rows(
     return LogpsOutput(logps, entropy, rows.score_mask)
 
 
-def _walk_without_grad(prepared, trie, rows, temperature, return_entropy, token_budget) -> LogpsOutput:
+def _walk_without_grad(prepared, trie, rows, temperature, return_entropy, token_budget, packed) -> LogpsOutput:
     """No-grad scoring depth-first, in chunks of rows within the token budget, each node call freed once no later
     row passes through it: peak memory is that of the widest chunk's paths, whatever the number of rows."""
-    walk = TreeWalk(prepared, trie, rows, temperature, return_entropy, driver=None)
+    walk = TreeWalk(prepared, trie, rows, temperature, return_entropy, driver=None, packed=packed)
     logps = torch.zeros(rows.score_mask.shape, device=prepared.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
     for chunk in walk.chunks(token_budget=token_budget or DEFAULT_TOKEN_BUDGET):

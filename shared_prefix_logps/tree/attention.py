@@ -1,7 +1,7 @@
-"""Attention of a node call with the ``expand`` layout: each node one row of a padded batch, attending over its
+"""Attention of a node call. The ``expand`` layout (here): each node one row of a padded batch, attending over its
 ancestors' keys/values (gathered per node, as ``backends/expand`` gathers a prompt per completion row) and causally
 over its own tokens. The model itself sees the nodes' tokens packed (no padding forwarded): queries, keys and values
-are unpacked into rows here and the output packed back."""
+are unpacked into rows here and the output packed back. The ``flex`` layout is in :mod:`.flex`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from ..backends.expand import _window_ok, additive_mask, masked_attention
 from ..forward.context import cached
 from ..forward.routing import RouteBox, attach
 from .context import TreeContext
+from .flex import packed_tree_attention
 
 
 def tree_attention(module, query, key, value, context: TreeContext, window, options) -> torch.Tensor:
@@ -25,6 +26,19 @@ def tree_attention(module, query, key, value, context: TreeContext, window, opti
             "than once in the model's layers); the shared-prefix path records keys/values per layer and cannot "
             "serve repeated layers"
         )
+    if context.packed:
+        output = packed_tree_attention(module, query, key, value, context, window, options)
+    else:
+        output = _expanded_tree_attention(module, query, key, value, context, window, options)
+    if context.finished:
+        # An activation-checkpoint recomputation in backward: the recorded keys/values are already in the graph.
+        return output
+    box = context.routes[module] = RouteBox()
+    return attach(output, box, key[0], value[0])
+
+
+def _expanded_tree_attention(module, query, key, value, context: TreeContext, window, options) -> torch.Tensor:
+    """The ``expand`` layout: nodes as rows of a padded batch, ancestors' keys/values gathered per node."""
     call = context.call
     rows = call.pack_index
 
@@ -39,12 +53,7 @@ def tree_attention(module, query, key, value, context: TreeContext, window, opti
         values = torch.cat([ancestors[1][:, index].transpose(0, 1), values], dim=2)
     mask = cached(context, ("tree", window, query.dtype), lambda: additive_mask(node_mask(call, window), query.dtype))
     output = masked_attention(unpack(query), keys, values, mask, **options)  # (S, Lmax, heads, v_head_dim)
-    output = output[call.pack_valid][None]
-    if context.finished:
-        # An activation-checkpoint recomputation in backward: the recorded keys/values are already in the graph.
-        return output
-    box = context.routes[module] = RouteBox()
-    return attach(output, box, key[0], value[0])
+    return output[call.pack_valid][None]
 
 
 def node_mask(call, window) -> torch.Tensor:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..api import resolve_attention_backend
 from ..chunked import _backward_driver, _DeepSpeedBackward
 from ..inputs import check_options
 from ..model import prepare_model
@@ -46,7 +47,7 @@ def chunked_backward_tree(
             Normalize with global counts if the sum of chunk losses is to be the batch loss.
         rows_per_chunk: rows per chunk, taken in the depth-first order of the trie (rows that share the most come
             together); memory holds the paths of one chunk's rows.
-        backend: ``"auto"`` or ``"expand"``.
+        backend: ``"auto"``/``"expand"`` or ``"flex"`` (CUDA only: torch's flex_attention has no CPU backward).
 
     Returns:
         The detached :class:`LogpsOutput` of all rows, (N, L).
@@ -56,8 +57,8 @@ def chunked_backward_tree(
         the step that synchronizes. DeepSpeed engines are not supported here yet.
     """
     check_options(temperature, backend)
-    if backend not in ("auto", "expand"):
-        raise ValueError(f"chunked_backward_tree supports backend 'auto' or 'expand', got {backend!r}")
+    if backend not in ("auto", "expand", "flex"):
+        raise ValueError(f"chunked_backward_tree supports backend 'auto', 'expand' or 'flex', got {backend!r}")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if isinstance(rows_per_chunk, bool) or not isinstance(rows_per_chunk, int):
@@ -70,9 +71,11 @@ def chunked_backward_tree(
     if isinstance(driver, _DeepSpeedBackward):
         raise ValueError("chunked_backward_tree does not run under a DeepSpeed engine yet; use compute_logps_tree")
     prepared = prepare_model(model)
+    if backend == "flex":
+        resolve_attention_backend(backend, prepared.device)  # flex_attention's backward exists on CUDA only
     rows = check_tree_rows(input_ids, attention_mask, score_mask, model=prepared)
     trie = build_trie(rows.justified(), rows.lengths)
-    walk = TreeWalk(prepared, trie, rows, float(temperature), return_entropy, driver)
+    walk = TreeWalk(prepared, trie, rows, float(temperature), return_entropy, driver, packed=backend == "flex")
     num_rows, length = rows.score_mask.shape
     logps = torch.zeros(num_rows, length, device=prepared.device)
     entropy = torch.zeros_like(logps) if return_entropy else None

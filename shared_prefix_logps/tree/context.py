@@ -21,6 +21,8 @@ class TreeContext:
         needs_grad: whether the caller expects gradients.
         head_spec: the model's :class:`~shared_prefix_logps.model.HeadSpec`.
         temperature, return_entropy: as for the entry points.
+        packed: attend with the ``flex`` layout (one flex_attention call over the whole ancestor store) instead of
+            ``expand`` (ancestors gathered per node).
         routes: attention module -> RouteBox of its (key, value) of this call's tokens, riding on its output.
         kv: filled after the forward: attention module -> (key, value), (kv_heads, T, head_dim).
         route: RouteBox of the head's results; logps / entropy: (p,) float32 after the forward, one per head pair.
@@ -34,6 +36,7 @@ class TreeContext:
     head_spec: object
     temperature: float
     return_entropy: bool
+    packed: bool = False
     routes: dict = field(default_factory=dict)
     kv: dict = field(default_factory=dict)
     route: object = None

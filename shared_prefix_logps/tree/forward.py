@@ -12,13 +12,19 @@ from .plan import NodeCall
 
 
 def forward_call(
-    prepared: PreparedModel, call: NodeCall, sources: list[dict], *, temperature: float, return_entropy: bool
+    prepared: PreparedModel,
+    call: NodeCall,
+    sources: list[dict],
+    *,
+    temperature: float,
+    return_entropy: bool,
+    packed: bool = False,
 ) -> TreeContext:
     """Forward ``call`` (on the model's device) attending over ``sources`` (the keys/values of ``call.sources``).
 
-    Returns the context with ``kv`` (attention module -> (key, value), each (kv_heads, T, head_dim)) and ``logps``
-    / ``entropy`` ((p,) float32, one per pair of ``call.head_pairs``), all differentiable when grad is enabled and
-    leaving through the model's output (see ``forward/routing.py``).
+    ``packed`` selects the ``flex`` layout. Returns the context with ``kv`` (attention module -> (key, value), each
+    (kv_heads, T, head_dim)) and ``logps`` / ``entropy`` ((p,) float32, one per pair of ``call.head_pairs``), all
+    differentiable when grad is enabled and leaving through the model's output (see ``forward/routing.py``).
     """
     context = TreeContext(
         call=call,
@@ -27,6 +33,7 @@ def forward_call(
         head_spec=prepared.head,
         temperature=temperature,
         return_entropy=return_entropy,
+        packed=packed,
     )
     output, _ = _forward(prepared, call.input_ids, call.positions, context)
     if not context.routes:

@@ -69,6 +69,12 @@ class NodeCall:
         ancestor_valid: (S, A) bool; ancestor_positions: (S, A) int64.
         head_index: (p,) int64, the packed token of each pair this call scores; head_pairs: (p,) their pair ids;
             head_targets: (p,) their target ids.
+        query_node / query_order: (T,) int64, each packed token's node and its index inside that node.
+        store_node / store_order / store_positions: (A_total,) int64, the same and the position of every token of
+            the ancestor store (all tokens of ``sources``, ancestors of this call's nodes or not): the packed
+            ``flex`` layout attends over the whole store under a mask built from the trie's structure.
+        node_end: (num_nodes,) int64, the trie's ``subtree_end``: node k is an ancestor of (or is) node q exactly
+            when ``k <= q < node_end[k]``.
     """
 
     nodes: list[int]
@@ -84,6 +90,12 @@ class NodeCall:
     head_index: torch.Tensor
     head_pairs: torch.Tensor
     head_targets: torch.Tensor
+    query_node: torch.Tensor
+    query_order: torch.Tensor
+    store_node: torch.Tensor
+    store_order: torch.Tensor
+    store_positions: torch.Tensor
+    node_end: torch.Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -104,9 +116,11 @@ class CallPlanner:
         self.token_call = torch.full((trie.num_tokens,), -1, dtype=torch.long)
         self.token_local = torch.full((trie.num_tokens,), -1, dtype=torch.long)
         self.call_sizes: list[int] = []
+        self.call_tokens: list[torch.Tensor] = []
+        self.token_node = trie.token_node()
         self.positions = trie.token_position()
         # Pairs grouped by the node of their hidden token.
-        self.pair_node = trie.token_node()[pairs.hidden_token]
+        self.pair_node = self.token_node[pairs.hidden_token]
 
     def plan(self, nodes: list[int]) -> NodeCall:
         """The next call, over ``nodes`` (each ancestor already planned; no node an ancestor of another)."""
@@ -125,6 +139,7 @@ class CallPlanner:
         self.token_call[global_tokens] = call_id
         self.token_local[global_tokens] = torch.arange(total)
         self.call_sizes.append(total)
+        self.call_tokens.append(global_tokens)
 
         ancestor_tokens = [self._ancestor_tokens(node) for node in nodes]
         calls = torch.cat(ancestor_tokens) if ancestor_tokens else torch.zeros(0, dtype=torch.long)
@@ -146,6 +161,10 @@ class CallPlanner:
             ancestor_valid[i, :count] = True
             ancestor_positions[i, :count] = self.positions[tokens]
 
+        empty = torch.zeros(0, dtype=torch.long)
+        store_tokens = torch.cat([self.call_tokens[source] for source in sources]) if sources else empty
+        store_node = self.token_node[store_tokens]
+        query_node = self.token_node[global_tokens]
         in_call = torch.isin(self.pair_node, torch.tensor(nodes, dtype=torch.long))
         head_pairs = in_call.nonzero().squeeze(1)
         return NodeCall(
@@ -162,6 +181,12 @@ class CallPlanner:
             head_index=self.token_local[self.pairs.hidden_token[head_pairs]],
             head_pairs=head_pairs,
             head_targets=self.pairs.target[head_pairs],
+            query_node=query_node,
+            query_order=global_tokens - trie.node_offset[query_node],
+            store_node=store_node,
+            store_order=store_tokens - trie.node_offset[store_node],
+            store_positions=self.positions[store_tokens],
+            node_end=trie.subtree_end,
         )
 
     def _ancestor_tokens(self, node: int) -> torch.Tensor:

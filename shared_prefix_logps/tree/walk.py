@@ -51,11 +51,12 @@ class _LiveCall:
 class TreeWalk:
     """The depth-first walk of one entry-point call: which node calls are alive, and what each chunk needs.
 
-    ``driver`` runs the backward passes (see ``chunked._backward_driver``); None without gradients.
+    ``driver`` runs the backward passes (see ``chunked._backward_driver``); None without gradients. ``packed``
+    selects the flex layout of node calls.
     """
 
-    def __init__(self, prepared, trie, rows, temperature, return_entropy, driver):
-        self.prepared, self.trie, self.rows, self.driver = prepared, trie, rows, driver
+    def __init__(self, prepared, trie, rows, temperature, return_entropy, driver, packed=False):
+        self.prepared, self.trie, self.rows, self.driver, self.packed = prepared, trie, rows, driver, packed
         self.temperature, self.return_entropy = temperature, return_entropy
         self.pairs = scored_pairs(trie, rows)
         self.planner = CallPlanner(trie, self.pairs)
@@ -146,6 +147,7 @@ class TreeWalk:
             [self.calls[source].kv_leaves for source in call.sources],
             temperature=self.temperature,
             return_entropy=self.return_entropy,
+            packed=self.packed,
         )
         outputs = _outputs(context)
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in outputs]

@@ -65,7 +65,7 @@ def test_bad_rows(model, change, error, pattern):
 @pytest.mark.parametrize(
     "kwargs,pattern",
     [
-        (dict(backend="flex"), "backend 'expand' or 'dense'"),
+        (dict(backend="flex"), "no backward on CPU"),
         (dict(backend="nope"), "backend must be one of"),
         (dict(temperature=0.0), "temperature must be positive"),
         (dict(return_router_stats=True), "return_router_stats is not available"),

@@ -35,8 +35,25 @@ def prompt_tokens_saved(batch: GroupedBatch) -> int:
 
 
 def deeper_sharing_pays(batch: GroupedBatch) -> bool:
-    """Whether the tree pass saves at least :data:`DEEPER_SHARING_MIN_TOKENS` prompt tokens over one-level sharing."""
-    return batch.prompt_ids.shape[0] > 1 and prompt_tokens_saved(batch) >= DEEPER_SHARING_MIN_TOKENS
+    """Whether the tree pass saves at least :data:`DEEPER_SHARING_MIN_TOKENS` prompt tokens over one-level sharing,
+    and may run.
+
+    With gradients and several processes it may not: there the trainer plug-ins rely on every call making the same
+    two forwards (Phase 1 and Phase 2) on every process, as FSDP's collectives are matched by order, while the tree
+    pass makes one forward per trie depth, which depends on the process's own rows. (No-grad calls are joined by the
+    plug-ins' lockstep, whatever their number of forwards.)
+    """
+    if batch.prompt_ids.shape[0] < 2:
+        return False
+    if torch.is_grad_enabled() and _several_processes():
+        return False
+    return prompt_tokens_saved(batch) >= DEEPER_SHARING_MIN_TOKENS
+
+
+def _several_processes() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def score_grouped_as_tree(

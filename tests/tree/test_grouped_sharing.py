@@ -113,3 +113,19 @@ def test_tokens_saved_counts_the_shared_prompt_prefix():
     prompts[1] = torch.tensor([1, 2, 3, 5, 9])
     batch = group_batch(prompts, torch.ones(3, 2, dtype=torch.long), prompt_mask, None, model=prepare_model(model))
     assert grouped.prompt_tokens_saved(batch) == 3  # [1 2 3] once for two prompts
+
+
+def test_with_gradients_and_several_processes_the_one_level_path_runs(monkeypatch):
+    """Under a trainer plug-in with several processes a call with gradients must make the same two forwards on every
+    process (FSDP matches collectives by order); the tree pass makes one per trie depth, so it is kept to no-grad
+    calls there (which the plug-ins' lockstep joins)."""
+    import torch.distributed as dist
+
+    model = build_model("llama")
+    ids, mask, keep = _trainer_rows()
+    batch = split_concatenated(ids, mask, keep, model=prepare_model(model))
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    assert not grouped.deeper_sharing_pays(batch)
+    with torch.no_grad():
+        assert grouped.deeper_sharing_pays(batch)

@@ -54,7 +54,9 @@ def chunked_backward_tree(
 
     Notes:
         Every chunk calls backward, and every node call once more; under DDP wrap the call in ``no_sync()`` except for
-        the step that synchronizes. DeepSpeed engines are not supported here yet.
+        the step that synchronizes. Under FSDP (whose collectives are matched by order) every process must make the
+        same node calls: rows whose tries have the same shape on every process. DeepSpeed engines are not supported
+        here yet.
     """
     check_options(temperature, backend)
     if backend not in ("auto", "expand", "flex"):

@@ -7,6 +7,7 @@ from torch import nn
 
 from ..inputs import check_options
 from ..model import PreparedModel, prepare_model
+from ..moe_router import RouterStats, router_spec
 from ..output import LogpsOutput
 from ..token_budget import DEFAULT_TOKEN_BUDGET
 from .dense import dense_tree_logps
@@ -52,19 +53,19 @@ def compute_logps_tree(
             ancestors' tokens and its own); rows are scored depth-first in such chunks and each node's keys/values
             freed once no later row needs them, so peak memory does not grow with the number of rows. Default
             ``DEFAULT_TOKEN_BUDGET``. Ignored when gradients are enabled (one forward per trie depth).
-        return_router_stats: not available for trees yet (raises).
+        return_router_stats: MoE models with a router aux loss: also return each row's router statistics over its
+            real tokens (``out.router``; ``out.router.aux_loss()`` equals the model's own ``aux_loss`` of the rows'
+            dense forward), each shared token weighted by the number of rows that contain it. Not with ``dense``.
 
     Returns:
         :class:`LogpsOutput` with (N, L) float32 ``logps`` (and ``entropy``), 0 where not scored, and ``mask`` =
         ``score_mask``.
     """
     check_options(temperature, backend, token_budget)
-    if return_router_stats:
-        raise ValueError(
-            "return_router_stats is not available for compute_logps_tree yet; use compute_logps for the router "
-            "statistics"
-        )
+    if return_router_stats and backend == "dense":
+        raise ValueError("return_router_stats needs the shared path; the dense forward returns the model's aux_loss")
     prepared = prepare_model(model)
+    router = router_spec(prepared.causal_lm) if return_router_stats else None
     rows = check_tree_rows(input_ids, attention_mask, score_mask, model=prepared)
     temperature = float(temperature)
     if backend == "dense":
@@ -82,6 +83,7 @@ def compute_logps_tree(
         return_entropy=return_entropy,
         token_budget=token_budget,
         packed=backend == "flex",
+        router=router,
     )
 
 
@@ -93,20 +95,26 @@ def score_tree_rows(
     return_entropy: bool,
     token_budget: int | None,
     packed: bool = False,
+    router: tuple[int, int] | None = None,
 ) -> LogpsOutput:
     """The tree pass over validated ``rows`` (``packed``: the flex layout, else expand): one forward per trie depth
     with gradients, the depth-first walk within ``token_budget`` without; (N, L) outputs as
-    :func:`compute_logps_tree` returns them."""
+    :func:`compute_logps_tree` returns them. ``router``: ``(num_experts, top_k)`` to also return each row's router
+    statistics over its real tokens (``out.router``)."""
     trie = build_trie(rows.justified(), rows.lengths)
     pairs = scored_pairs(trie, rows)
     logps = torch.zeros(rows.score_mask.shape, device=prepared.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
-    if trie.num_nodes == 0 or (pairs.target.numel() == 0 and not torch.is_grad_enabled()):
-        return LogpsOutput(logps, entropy, rows.score_mask)
+    top_k = None if router is None else router[1]
+    if trie.num_nodes == 0 or (pairs.target.numel() == 0 and not torch.is_grad_enabled() and router is None):
+        out = LogpsOutput(logps, entropy, rows.score_mask)
+        if router is not None:
+            out.router = row_router_stats(trie, [], router[0], prepared.device)
+        return out
     if not torch.is_grad_enabled():
-        return _walk_without_grad(prepared, trie, rows, temperature, return_entropy, token_budget, packed)
+        return _walk_without_grad(prepared, trie, rows, temperature, return_entropy, token_budget, packed, router)
     planner = CallPlanner(trie, pairs)
-    stores, pair_ids, pair_logps, pair_entropy = [], [], [], []
+    stores, pair_ids, pair_logps, pair_entropy, node_router = [], [], [], [], []
     for nodes in levels(trie):
         call = planner.plan(nodes)
         context = forward_call(
@@ -116,8 +124,10 @@ def score_tree_rows(
             temperature=temperature,
             return_entropy=return_entropy,
             packed=packed,
+            router_top_k=top_k,
         )
         stores.append(context.kv)
+        node_router.append((call.nodes, context.router))
         pair_ids.append(call.head_pairs)
         pair_logps.append(context.logps)
         pair_entropy.append(context.entropy)
@@ -127,13 +137,42 @@ def score_tree_rows(
     logps = logps.masked_scatter(rows.score_mask, torch.cat(pair_logps)[order][of_scored])
     if return_entropy:
         entropy = entropy.masked_scatter(rows.score_mask, torch.cat(pair_entropy)[order][of_scored])
-    return LogpsOutput(logps, entropy, rows.score_mask)
+    out = LogpsOutput(logps, entropy, rows.score_mask)
+    if router is not None:
+        out.router = row_router_stats(trie, node_router, router[0], prepared.device)
+    return out
 
 
-def _walk_without_grad(prepared, trie, rows, temperature, return_entropy, token_budget, packed) -> LogpsOutput:
+def row_router_stats(trie, node_router: list, num_experts: int, device) -> RouterStats:
+    """Each row's router statistics: the sums of the nodes on its path.
+
+    Args:
+        node_router: ``(nodes, (counts, probs, tokens))`` per node call, the statistics of each of its nodes. A
+            shared node's sums go to every row through it, which weights its tokens by the number of rows that
+            contain them, as the dense batch does (see :mod:`~shared_prefix_logps.moe_router`).
+    """
+    num_rows = trie.row_end.numel()
+    membership = torch.zeros(num_rows, trie.num_nodes, device=device)
+    for row in range(num_rows):
+        membership[row, trie.path(row)] = 1.0
+    sums = []
+    for i in range(3):
+        width = (num_experts,) if i < 2 else ()
+        per_node = torch.zeros((trie.num_nodes, *width), device=device)
+        if node_router:
+            nodes = torch.tensor([n for ns, _ in node_router for n in ns], dtype=torch.long, device=device)
+            per_node = per_node.index_copy(0, nodes, torch.cat([stats[i] for _, stats in node_router]))
+        sums.append(membership @ per_node)
+    return RouterStats(*sums, num_experts)
+
+
+def _walk_without_grad(
+    prepared, trie, rows, temperature, return_entropy, token_budget, packed, router=None
+) -> LogpsOutput:
     """No-grad scoring depth-first, in chunks of rows within the token budget, each node call freed once no later
     row passes through it: peak memory is that of the widest chunk's paths, whatever the number of rows."""
-    walk = TreeWalk(prepared, trie, rows, temperature, return_entropy, driver=None, packed=packed)
+    top_k = None if router is None else router[1]
+    walk = TreeWalk(prepared, trie, rows, temperature, return_entropy, driver=None, packed=packed, router_top_k=top_k)
     logps = torch.zeros(rows.score_mask.shape, device=prepared.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
     for chunk in walk.chunks(token_budget=token_budget or DEFAULT_TOKEN_BUDGET):
@@ -143,4 +182,7 @@ def _walk_without_grad(prepared, trie, rows, temperature, return_entropy, token_
             entropy[chunk] = out.entropy
         del out
         walk.finish_rows(chunk)
-    return LogpsOutput(logps, entropy, rows.score_mask)
+    out = LogpsOutput(logps, entropy, rows.score_mask)
+    if router is not None:
+        out.router = row_router_stats(trie, walk.node_router, router[0], prepared.device)
+    return out

@@ -28,6 +28,8 @@ class TreeContext:
         route: RouteBox of the head's results; logps / entropy: (p,) float32 after the forward, one per head pair.
         masks: attention masks built once per call, keyed by kind, window and dtype.
         finished: set once the forward has returned (later attention calls are checkpoint recomputations).
+        router: when router statistics were requested, ``(counts, probs, tokens)`` of each of the call's nodes,
+            (S, E), (S, E), (S,) float32 (see :mod:`~shared_prefix_logps.moe_router`).
     """
 
     call: NodeCall
@@ -44,6 +46,7 @@ class TreeContext:
     entropy: torch.Tensor | None = None
     masks: dict = field(default_factory=dict)
     finished: bool = False
+    router: tuple | None = None
 
     @property
     def head_index(self) -> torch.Tensor:

@@ -52,11 +52,14 @@ class TreeWalk:
     """The depth-first walk of one entry-point call: which node calls are alive, and what each chunk needs.
 
     ``driver`` runs the backward passes (see ``chunked._backward_driver``); None without gradients. ``packed``
-    selects the flex layout of node calls.
+    selects the flex layout of node calls; with ``router_top_k`` each node call's router statistics per node are
+    kept in ``node_router``.
     """
 
-    def __init__(self, prepared, trie, rows, temperature, return_entropy, driver, packed=False):
+    def __init__(self, prepared, trie, rows, temperature, return_entropy, driver, packed=False, router_top_k=None):
         self.prepared, self.trie, self.rows, self.driver, self.packed = prepared, trie, rows, driver, packed
+        self.router_top_k = router_top_k
+        self.node_router: list = []  # (nodes, their router statistics) per node call, when requested
         self.temperature, self.return_entropy = temperature, return_entropy
         self.pairs = scored_pairs(trie, rows)
         self.planner = CallPlanner(trie, self.pairs)
@@ -148,7 +151,10 @@ class TreeWalk:
             temperature=self.temperature,
             return_entropy=self.return_entropy,
             packed=self.packed,
+            router_top_k=self.router_top_k,
         )
+        if context.router is not None:
+            self.node_router.append((list(nodes), context.router))
         outputs = _outputs(context)
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in outputs]
         modules = list(context.kv)

@@ -68,7 +68,6 @@ def test_bad_rows(model, change, error, pattern):
         (dict(backend="flex"), "no backward on CPU"),
         (dict(backend="nope"), "backend must be one of"),
         (dict(temperature=0.0), "temperature must be positive"),
-        (dict(return_router_stats=True), "return_router_stats is not available"),
     ],
 )
 def test_bad_options(model, kwargs, pattern):

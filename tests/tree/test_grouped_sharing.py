@@ -129,3 +129,19 @@ def test_with_gradients_and_several_processes_the_one_level_path_runs(monkeypatc
     assert not grouped.deeper_sharing_pays(batch)
     with torch.no_grad():
         assert grouped.deeper_sharing_pays(batch)
+
+
+def test_a_small_share_of_the_tokens_takes_the_one_level_path():
+    """Prompts that share a 70-token system prompt but carry long completions: the trie saves 140 tokens, under a
+    fifth of what one-level sharing forwards, where the tree pass measured slower."""
+    model = build_model("llama")
+    ids, mask, keep = _trainer_rows()
+    long_completions = torch.ones(ids.shape[0], 100, dtype=torch.long)
+    batch = split_concatenated(
+        torch.cat([ids[:, :-keep], long_completions], 1),
+        torch.cat([mask[:, :-keep], torch.ones_like(long_completions, dtype=torch.bool)], 1),
+        100,
+        model=prepare_model(model),
+    )
+    assert grouped.prompt_tokens_saved(batch) == 2 * SYSTEM_LEN
+    assert not grouped.deeper_sharing_pays(batch)

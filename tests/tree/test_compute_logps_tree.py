@@ -104,3 +104,20 @@ def test_nothing_scored_with_grad_backpropagates_zero():
     assert (out.logps == 0).all()
     out.logps.sum().backward()  # connected to the model's graph, as the dense forward's result would be
     assert all(p.grad is not None and (p.grad == 0).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_lora_with_an_empty_row_and_the_adapter_disabled():
+    """PEFT LoRA (the head included) and a row with no real token (all zeros out, nothing forwarded for it)."""
+    import peft
+    from support.tiny_models import randomize_lora
+
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj", "lm_head"], lora_dropout=0.0)
+    model = randomize_lora(peft.get_peft_model(build_model("llama"), config))
+    ids, mask, score = pad_rows(random_tree_rows(3, depth=3, branching=2), 3)
+    ids, mask, score = (torch.cat([t, torch.zeros_like(t[:1])]) for t in (ids, mask, score))
+    logps_err, entropy_err, grad_err = compare_tree_with_dense(model, ids, mask, score)
+    assert logps_err < 1e-5 and entropy_err < 1e-5 and grad_err < 1e-4, (logps_err, entropy_err, grad_err)
+    with model.disable_adapter(), torch.no_grad():  # reference log-probs of a PEFT policy
+        tree = compute_logps_tree(model, ids, mask, score)
+        dense = compute_logps_tree(model, ids, mask, score, backend="dense")
+    assert (tree.logps - dense.logps).abs().max().item() < 1e-5

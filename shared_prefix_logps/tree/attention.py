@@ -6,7 +6,9 @@ are unpacked into rows here and the output packed back. The ``flex`` layout is i
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 
+from ..backends import expand
 from ..backends.expand import _window_ok, additive_mask, masked_attention
 from ..forward.context import cached
 from ..forward.routing import RouteBox, attach
@@ -38,22 +40,33 @@ def tree_attention(module, query, key, value, context: TreeContext, window, opti
 
 
 def _expanded_tree_attention(module, query, key, value, context: TreeContext, window, options) -> torch.Tensor:
-    """The ``expand`` layout: nodes as rows of a padded batch, ancestors' keys/values gathered per node."""
+    """The ``expand`` layout: nodes as rows of a padded batch, ancestors' keys/values gathered per node.
+
+    The gathered (S, kv_heads, A + Lmax, head_dim) copies are per node; on the fused-kernel path with gradients
+    (CUDA, as ``backends/expand.gathered_attention``) they are not saved for backward, where every layer's would be
+    held at once: the gather and the attention are recomputed in backward from the packed and stored keys/values.
+    """
     call = context.call
     rows = call.pack_index
+    index = call.ancestor_index
+    mask = cached(context, ("tree", window, query.dtype), lambda: additive_mask(node_mask(call, window), query.dtype))
 
     def unpack(tensor):  # (1, h, T, d) -> (S, h, Lmax, d)
         return tensor[0][:, rows].transpose(0, 1)
 
-    keys, values = unpack(key), unpack(value)
+    def attend(query, key, value, *store):
+        keys, values = unpack(key), unpack(value)
+        if store:
+            keys = torch.cat([store[0][:, index].transpose(0, 1), keys], dim=2)
+            values = torch.cat([store[1][:, index].transpose(0, 1), values], dim=2)
+        output = masked_attention(unpack(query), keys, values, mask, **options)  # (S, Lmax, heads, v_head_dim)
+        return output[call.pack_valid][None]
+
     ancestors = context.ancestor_kv(module)
-    if ancestors is not None:
-        index = call.ancestor_index
-        keys = torch.cat([ancestors[0][:, index].transpose(0, 1), keys], dim=2)
-        values = torch.cat([ancestors[1][:, index].transpose(0, 1), values], dim=2)
-    mask = cached(context, ("tree", window, query.dtype), lambda: additive_mask(node_mask(call, window), query.dtype))
-    output = masked_attention(unpack(query), keys, values, mask, **options)  # (S, Lmax, heads, v_head_dim)
-    return output[call.pack_valid][None]
+    tensors = (query, key, value, *(ancestors or ()))
+    if expand._fused_path(query) and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return torch.utils.checkpoint.checkpoint(attend, *tensors, use_reentrant=False)
+    return attend(*tensors)
 
 
 def node_mask(call, window) -> torch.Tensor:

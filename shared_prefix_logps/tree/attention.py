@@ -9,7 +9,7 @@ import torch
 import torch.utils.checkpoint
 
 from ..backends import expand
-from ..backends.expand import _window_ok, additive_mask, masked_attention
+from ..backends.expand import masked_attention
 from ..forward.context import cached
 from ..forward.routing import RouteBox, attach
 from .context import TreeContext
@@ -42,6 +42,11 @@ def tree_attention(module, query, key, value, context: TreeContext, window, opti
 def _expanded_tree_attention(module, query, key, value, context: TreeContext, window, options) -> torch.Tensor:
     """The ``expand`` layout: nodes as rows of a padded batch, ancestors' keys/values gathered per node.
 
+    A call of nodes of one length without ancestors (the root call of a shared system prompt) and without a window
+    shorter than its nodes runs causal SDPA without a mask, as ``backends/expand`` does for unpadded prompts. Other
+    calls share one additive mask per call across layers (:func:`node_mask`, rows aligned). The SDPA kernel is
+    chosen by ``backends/expand`` (through ``sdpa_kernels`` on the fused-kernel path).
+
     The gathered (S, kv_heads, A + Lmax, head_dim) copies are per node; on the fused-kernel path with gradients
     (CUDA, as ``backends/expand.gathered_attention``) they are not saved for backward, where every layer's would be
     held at once: the gather and the attention are recomputed in backward from the packed and stored keys/values.
@@ -49,7 +54,11 @@ def _expanded_tree_attention(module, query, key, value, context: TreeContext, wi
     call = context.call
     rows = call.pack_index
     index = call.ancestor_index
-    mask = cached(context, ("tree", window, query.dtype), lambda: additive_mask(node_mask(call, window), query.dtype))
+    ancestors = context.ancestor_kv(module)
+    causal = ancestors is None and bool(call.pack_valid.all()) and expand.window_is_moot(window, rows.shape[1])
+    mask = (
+        None if causal else cached(context, ("tree", window, query.dtype), lambda: node_mask(call, window, query.dtype))
+    )
 
     def unpack(tensor):  # (1, h, T, d) -> (S, h, Lmax, d)
         return tensor[0][:, rows].transpose(0, 1)
@@ -59,31 +68,37 @@ def _expanded_tree_attention(module, query, key, value, context: TreeContext, wi
         if store:
             keys = torch.cat([store[0][:, index].transpose(0, 1), keys], dim=2)
             values = torch.cat([store[1][:, index].transpose(0, 1), values], dim=2)
-        output = masked_attention(unpack(query), keys, values, mask, **options)  # (S, Lmax, heads, v_head_dim)
-        return output[call.pack_valid][None]
+        output = masked_attention(unpack(query), keys, values, mask, is_causal=causal, **options)
+        return output[call.pack_valid][None]  # (S, Lmax, heads, v_head_dim) -> (1, T, heads, v_head_dim)
 
-    ancestors = context.ancestor_kv(module)
     tensors = (query, key, value, *(ancestors or ()))
-    if expand._fused_path(query) and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+    if expand.on_fused_path(query.device) and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return torch.utils.checkpoint.checkpoint(attend, *tensors, use_reentrant=False)
     return attend(*tensors)
 
 
-def node_mask(call, window) -> torch.Tensor:
-    """(S, 1, Lmax, A + Lmax) bool: node queries over [their ancestors' tokens ; their own tokens causally].
+def node_mask(call, window, dtype: torch.dtype) -> torch.Tensor:
+    """(S, 1, Lmax, A + Lmax) additive mask of ``dtype`` (0 or -inf), rows aligned: node queries over [their
+    ancestors' tokens ; their own tokens causally].
 
-    Padded query rows see their own slot only (a query with no visible key would give NaN that poisons gradients).
-    Sliding windows compare positions in the rows, not indices.
+    Written in place from each query's allowed key range (``backends/expand``'s helpers), never as a boolean mask of
+    its full size. Padded query rows see their own slot too (a query with no visible key would give NaN that poisons
+    gradients). Sliding windows compare positions: ancestor tokens come root first, so their positions increase
+    along a node's row, and a node's own positions advance by one per token.
     """
     valid = call.pack_valid
-    width = valid.shape[1]
-    inner = torch.arange(width, device=valid.device)
-    own = (inner[:, None] >= inner[None, :])[None] & valid[:, None, :]
-    positions = call.own_positions
-    if window is not None:
-        own = own & _window_ok(positions[:, :, None], positions[:, None, :], window)
-    own = own | torch.eye(width, dtype=torch.bool, device=valid.device)[None]
-    ancestors = call.ancestor_valid[:, None, :].expand(-1, width, -1)
-    if window is not None:
-        ancestors = ancestors & _window_ok(positions[:, :, None], call.ancestor_positions[:, None, :], window)
-    return torch.cat([ancestors, own], dim=-1)[:, None]
+    count, width = valid.shape
+    num_ancestors = call.ancestor_valid.shape[1]
+    mask = expand.empty_additive_mask((count, 1, width, num_ancestors + width), dtype, valid.device)
+    prefix, own = mask[..., :num_ancestors], mask[..., num_ancestors:]
+    if num_ancestors:
+        prefix.masked_fill_(~call.ancestor_valid[:, None, None, :], float("-inf"))
+        if window is not None:
+            # Padding past a node's ancestors is masked above; a position past every real one keeps the row sorted.
+            key_positions = call.ancestor_positions.masked_fill(~call.ancestor_valid, torch.iinfo(torch.long).max)
+            first = expand.window_start(call.own_positions, key_positions, window)
+            expand.block_outside(prefix, first, torch.full_like(first[:, :1], num_ancestors - 1))
+    expand.fill_own_causal(own, window)
+    own.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    own.diagonal(dim1=-2, dim2=-1).fill_(0)
+    return mask

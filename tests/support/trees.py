@@ -58,3 +58,51 @@ def pad_rows(rows: list[list[int]], seed: int, *, hole_rate: float = 0.3, extra:
     if not score.any():
         score[0, mask[0].nonzero()[-1]] = True
     return ids, mask, score
+
+
+def planned_node_calls(rows: list[list[int]], *, rows_per_chunk: int):
+    """(trie, calls): the node calls the depth-first walk plans for ``rows`` (each a token-id list, every position
+    scored) taken ``rows_per_chunk`` at a time, in planning order. Later chunks' calls attend over several earlier
+    calls, so their ancestor stores hold nodes out of depth-first order."""
+    from shared_prefix_logps.tree.inputs import TreeRows
+    from shared_prefix_logps.tree.plan import CallPlanner, scored_pairs
+    from shared_prefix_logps.tree.trie import build_trie
+
+    width = max(len(row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+    lengths = torch.tensor([len(row) for row in rows])
+    real = torch.arange(width)[None, :] < lengths[:, None]
+    score = real.clone()
+    score[:, 0] = False
+    tree_rows = TreeRows(ids, real, score, torch.zeros(len(rows), dtype=torch.long), lengths)
+    trie = build_trie(tree_rows.justified(), lengths)
+    planner = CallPlanner(trie, scored_pairs(trie, tree_rows))
+    order = torch.argsort(trie.row_end, stable=True).tolist()
+    planned: set[int] = set()
+    calls = []
+    for start in range(0, len(order), rows_per_chunk):
+        chunk = order[start : start + rows_per_chunk]
+        new = sorted({node for row in chunk for node in trie.path(row)} - planned)
+        for depth in sorted({int(trie.depth[node]) for node in new}):
+            calls.append(planner.plan([node for node in new if int(trie.depth[node]) == depth]))
+        planned.update(new)
+    return trie, calls
+
+
+def token_visibility(trie, call, window) -> torch.Tensor:
+    """(T, A_total + T) bool: which of [the call's ancestor store ; its own tokens] each of its T packed tokens may
+    see, from the trie's parent links: the key's node is an ancestor of the query's node, or is it and the key comes
+    no later; and the query's position is less than ``window`` past the key's."""
+    sees = torch.zeros(trie.num_nodes, trie.num_nodes, dtype=torch.bool)
+    for node in range(trie.num_nodes):
+        sees[node, trie.ancestors(node)] = True
+    key_node = torch.cat([call.store_node, call.query_node])
+    key_order = torch.cat([call.store_order, call.query_order])
+    key_pos = torch.cat([call.store_positions, call.positions[0]])
+    q_node, q_order, q_pos = call.query_node[:, None], call.query_order[:, None], call.positions[0][:, None]
+    ancestor = sees[q_node, key_node[None, :]]
+    itself = (q_node == key_node[None, :]) & (key_order[None, :] <= q_order)
+    near = torch.ones_like(ancestor) if window is None else (q_pos - key_pos[None, :]) < window
+    return (ancestor | itself) & near

@@ -59,13 +59,14 @@ def _kernel_flex_entry(query, key, value, block_mask, score_mod, scale, enable_g
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "mistral"])
-@pytest.mark.parametrize("budget", [1, None])
-def test_tree_results_exact_when_attention_reads_only_the_listed_blocks(family, budget, monkeypatch):
+@pytest.mark.parametrize("budget, max_segment", [(1, 70), (None, 70), (None, 300)])
+def test_tree_results_exact_when_attention_reads_only_the_listed_blocks(family, budget, max_segment, monkeypatch):
     """Gemma2 (softcaps, a window of 5 and none), Mistral (window 6), Llama; the walk one row at a time or all at
-    once; calls whose queries and ancestor stores span several blocks."""
+    once; calls whose queries and ancestor stores span several blocks, nodes longer than a block (full blocks,
+    where the kernel does not run the mask function)."""
     monkeypatch.setattr(flex, "_flex_entry", _kernel_flex_entry)
     model = build_model(family)
-    ids, mask, score = pad_rows(random_tree_rows(2, depth=3, branching=2, max_segment=70), 2)
+    ids, mask, score = pad_rows(random_tree_rows(2, depth=3, branching=2, max_segment=max_segment), 2)
     with torch.no_grad():
         ours = compute_logps_tree(model, ids, mask, score, return_entropy=True, token_budget=budget, backend="flex")
         dense = compute_logps_tree(model, ids, mask, score, return_entropy=True, backend="dense")

@@ -3,24 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from support.graph_counter import GraphCounter
-
-from shared_prefix_logps.backends import flex
+from support.graph_counter import compile_flex_on_cpu
 
 
 @pytest.fixture
 def compiled_on_cpu(monkeypatch):
     """Compile the flex path on CPU with a counting backend, and allow its backward there."""
-    import torch.nn.attention.flex_attention as flex_module
-
-    counter = GraphCounter()
-    monkeypatch.setitem(flex._COMPILE_BACKENDS, "cpu", counter)
-    monkeypatch.setattr(flex, "_BACKWARD_DEVICES", flex._BACKWARD_DEVICES | {"cpu"})
-    validate = flex_module._validate_device
-
-    def validate_without_cpu_backward_refusal(query, key, value):
-        if query.device.type != "cpu":
-            validate(query, key, value)
-
-    monkeypatch.setattr(flex_module, "_validate_device", validate_without_cpu_backward_refusal)
-    return counter
+    return compile_flex_on_cpu(monkeypatch)

@@ -13,12 +13,14 @@ import copy
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from support.exactness import max_relative_grad_error
 from support.tiny_models import build_model
 
 from shared_prefix_logps import chunked_backward_tree, compute_logps_tree
+
+hypothesis = pytest.importorskip("hypothesis", reason="needs hypothesis (pip install hypothesis)")
+st = pytest.importorskip("hypothesis.strategies")
+HealthCheck, given, settings = hypothesis.HealthCheck, hypothesis.given, hypothesis.settings
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),

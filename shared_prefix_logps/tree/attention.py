@@ -55,7 +55,9 @@ def _expanded_tree_attention(module, query, key, value, context: TreeContext, wi
     rows = call.pack_index
     index = call.ancestor_index
     ancestors = context.ancestor_kv(module)
-    causal = ancestors is None and bool(call.pack_valid.all()) and expand.window_is_moot(window, rows.shape[1])
+    # Read once per call, not per layer (a device sync on CUDA).
+    unpadded = cached(context, ("unpadded",), lambda: bool(call.pack_valid.all()))
+    causal = ancestors is None and unpadded and expand.window_is_moot(window, rows.shape[1])
     mask = (
         None if causal else cached(context, ("tree", window, query.dtype), lambda: node_mask(call, window, query.dtype))
     )

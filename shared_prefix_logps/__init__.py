@@ -4,12 +4,16 @@ from .api import compute_logps, compute_logps_concatenated
 from .chunked import chunked_backward
 from .errors import UnsupportedModelError
 from .output import LogpsOutput
+from .tree.api import compute_logps_tree
+from .tree.chunked import chunked_backward_tree
 
 __all__ = [
     "LogpsOutput",
     "UnsupportedModelError",
     "chunked_backward",
+    "chunked_backward_tree",
     "compute_logps",
     "compute_logps_concatenated",
+    "compute_logps_tree",
 ]
 __version__ = "0.1.0"

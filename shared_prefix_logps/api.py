@@ -15,6 +15,7 @@ from .moe_router import RouterStats, router_spec
 from .output import LogpsOutput, result_zeros, write_rows
 from .phases import capture_prefix, score_rows, score_rows_routed
 from .token_budget import DEFAULT_TOKEN_BUDGET, ScoringCosts, plan_prompt_batches, plan_row_batches
+from .tree.grouped import deeper_sharing_pays, score_grouped_as_tree
 
 
 def compute_logps(
@@ -175,6 +176,8 @@ def run_batch(
     Without gradients the work is split into prompt chunks (Phase 1) and completion chunks (Phase 2) of at most
     ``token_budget`` tokens each, so peak memory does not grow with the number of prompts or with G. With
     gradients everything runs as one graph (see :func:`~shared_prefix_logps.chunked_backward` for bounded memory).
+    When distinct prompts share enough of a prefix among themselves (``tree/grouped.py``), the ``expand`` backend
+    scores the rows as a prefix tree instead, each shared prompt prefix forwarded once.
     With ``return_router_stats`` every row is forwarded, even one without a valid completion token: its prompt's
     tokens are routed in the dense row all the same.
 
@@ -222,6 +225,11 @@ def _run_batch(
     if nothing_valid and not torch.is_grad_enabled() and top_k is None:
         logps = result_zeros(rows, length, device=batch.completion_ids.device)
         return LogpsOutput(logps, torch.zeros_like(logps) if return_entropy else None, mask)
+    if top_k is None and backend == "expand" and not nothing_valid and deeper_sharing_pays(batch):
+        # Distinct prompts share a prefix (a common system prompt): the trie forwards it once, not once per prompt.
+        return score_grouped_as_tree(
+            prepared, batch, temperature=temperature, return_entropy=return_entropy, token_budget=token_budget
+        )
     if nothing_valid:
         # With gradient an all-masked batch still runs the model: its (zero) result must hang off the model's graph
         # through the model's own forward, as the dense path's does, so that a loss built from it back-propagates

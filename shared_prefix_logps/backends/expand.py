@@ -120,7 +120,7 @@ def prefix_mask(context: CaptureContext, window, dtype: torch.dtype) -> torch.Te
     mask = empty_additive_mask((key_valid.shape[0], 1, length, length), dtype, key_valid.device)
     mask.masked_fill_(~key_valid[:, None, None, :], float("-inf"))
     index = torch.arange(length, device=key_valid.device)[None]
-    _block_outside(mask, _window_start(positions, positions, window), index)
+    block_outside(mask, window_start(positions, positions, window), index)
     mask.diagonal(dim1=-2, dim2=-1).fill_(0)
     return mask
 
@@ -129,7 +129,7 @@ def own_mask(context: SharedContext, window, dtype: torch.dtype) -> torch.Tensor
     """(1, 1, C, C) additive mask of ``dtype`` of a completion row over its own tokens, rows aligned."""
     length = context.positions.shape[1]
     mask = empty_additive_mask((1, 1, length, length), dtype, context.positions.device)
-    _fill_own(mask, window)
+    fill_own_causal(mask, window)
     return mask
 
 
@@ -145,26 +145,26 @@ def shared_mask(context: SharedContext, window, dtype: torch.dtype) -> torch.Ten
     shared_by_rows = window_is_moot(window, prefix_len + length) and bool(capture.key_valid.all())
     batch = 1 if shared_by_rows else rows.numel()
     mask = empty_additive_mask((batch, 1, length, prefix_len + length), dtype, context.positions.device)
-    _fill_own(mask[..., prefix_len:], window)
+    fill_own_causal(mask[..., prefix_len:], window)
     if shared_by_rows:
         return mask.expand(rows.numel(), -1, -1, -1)
     prefix = mask[..., :prefix_len]
     prefix.masked_fill_(~capture.key_valid[rows][:, None, None, :], float("-inf"))
     if window is not None:
-        first = _window_start(context.positions, capture.positions[rows], window)
-        _block_outside(prefix, first, torch.full_like(first[:, :1], prefix_len - 1))
+        first = window_start(context.positions, capture.positions[rows], window)
+        block_outside(prefix, first, torch.full_like(first[:, :1], prefix_len - 1))
     return mask
 
 
-def _fill_own(mask: torch.Tensor, window) -> None:
-    """-inf into (batch, 1, C, C) ``mask`` where a completion token may not see another of its row: later tokens,
-    and tokens ``window`` or more back."""
+def fill_own_causal(mask: torch.Tensor, window) -> None:
+    """-inf into (batch, 1, C, C) ``mask`` where a token may not see another of its own run (a completion row, a
+    prefix-tree node; positions advance by one along it): later tokens, and tokens ``window`` or more back."""
     index = torch.arange(mask.shape[-1], device=mask.device)[None]
     first = torch.zeros_like(index) if window is None else (index - window + 1).clamp(min=0)
-    _block_outside(mask, first, index)
+    block_outside(mask, first, index)
 
 
-def _window_start(query_positions, key_positions, window) -> torch.Tensor:
+def window_start(query_positions, key_positions, window) -> torch.Tensor:
     """(n, Q) int64: the index of the first key each query may see under a sliding ``window`` (transformers keeps
     key k for query q when q - k < window), or zeros (1, Q) without a window. ``key_positions`` (n, K) must be
     non-decreasing along each row (left padding repeats position 0), so the keys a window hides come first."""
@@ -177,7 +177,7 @@ def _window_start(query_positions, key_positions, window) -> torch.Tensor:
 _FILL_CHUNK_ELEMENTS = 2**26
 
 
-def _block_outside(mask: torch.Tensor, first: torch.Tensor, last: torch.Tensor) -> None:
+def block_outside(mask: torch.Tensor, first: torch.Tensor, last: torch.Tensor) -> None:
     """-inf into ``mask`` (n, 1, Q, K) wherever key index j < first[., q] or j > last[., q]; ``first`` and ``last``
     (n or 1, Q or 1) int64. Query rows go in chunks, so the boolean temporaries stay under
     :data:`_FILL_CHUNK_ELEMENTS` elements."""

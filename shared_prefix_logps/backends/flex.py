@@ -212,6 +212,12 @@ def _round_up(n: int, device: torch.device) -> int:
     return max(blocks * LENGTH_BUCKET, -(-n // LENGTH_BUCKET) * LENGTH_BUCKET)
 
 
+def padded_length(n: int, device: torch.device) -> int:
+    """The length a packed run of ``n`` queries or keys is padded to inside the attention call on ``device``: whole
+    mask blocks (see :func:`_round_up`)."""
+    return _round_up(n, device)
+
+
 def _pad_ids(ids: torch.Tensor, length: int, fill: int) -> torch.Tensor:
     return F.pad(ids, (0, length - ids.shape[0]), value=fill)
 
@@ -381,6 +387,21 @@ def _shared_block_mask(context: SharedContext, n, num_prefix, q_len, kv_len, win
         mask_mod=mask_mod,
         q_blocks=q_blocks,
     )
+
+
+def packed_attention(query, key, value, block_mask, q_len: int, n: int, options, kv_len: int) -> torch.Tensor:
+    """One flex_attention call of this backend for a packed layout built elsewhere (the prefix tree's).
+
+    Args:
+        query: (1, heads, n, head_dim) packed queries; key/value: (1, kv_heads, K, head_dim / v_head_dim).
+        block_mask: BlockMask over (``q_len``, ``kv_len``), the lengths from :func:`padded_length`.
+        options: the attention options (scaling, softcap, dropout, sinks).
+
+    Returns (1, n, heads, v_head_dim), with everything the backend's own phases get: dropout refused, head
+    dimensions below the kernel's minimum zero-padded, compiled per model configuration where the device compiles,
+    sinks applied.
+    """
+    return _attend(query, key, value, block_mask, q_len, n, options, kv_len=kv_len)
 
 
 def _attend(query, key, value, block_mask, q_len, n, options, kv_len=None):

@@ -95,6 +95,33 @@ def segments_of(owner: torch.Tensor, positions: torch.Tensor, count: int, *, off
     return Segments(start=first + offset, length=length, position=position)
 
 
+def run_segments(ids: torch.Tensor, positions: torch.Tensor, *, offset: int = 0) -> tuple[Segments, torch.Tensor]:
+    """The maximal runs of equal consecutive ``ids`` of a packed run as :class:`Segments`, and each run's id.
+
+    For runs whose ids need not be sorted (a prefix tree's ancestor store: node calls one after another, each in
+    depth-first order), where :func:`segments_of` wants non-decreasing owners.
+
+    Args:
+        ids: (n,) int64, the owner of each token (a trie node); tokens of one owner are consecutive.
+        positions: (n,) int64, advancing by one along each run.
+        offset: index in the packed sequence of the run's first token.
+
+    Returns:
+        The runs' segments and their ids, (runs,) int64.
+
+    Raises:
+        ValueError: if positions do not advance by one along a run.
+    """
+    ids = ids.long()
+    if ids.numel() == 0:
+        empty = ids.new_zeros(0)
+        return Segments(start=empty, length=empty, position=empty), empty
+    run = torch.cat([ids.new_zeros(1), torch.cumsum((ids[1:] != ids[:-1]).long(), 0)])
+    count = int(run[-1]) + 1
+    segments = segments_of(run, positions, count, offset=offset)
+    return segments, ids[segments.start - offset]
+
+
 def concat_segments(*parts: Segments) -> Segments:
     """The segments of several runs of one packed sequence, numbered one run after the other."""
     return Segments(

@@ -5,7 +5,8 @@ transformers calls it from every attention layer with post-RoPE ``query`` (batch
 
 - no context: the model's original implementation, untouched (generation and plain forwards);
 - :class:`CaptureContext`: Phase 1, causal attention over the left-padded prompts, recording keys/values;
-- :class:`SharedContext`: Phase 2, completion queries over [group prefix ; own tokens causally].
+- :class:`SharedContext`: Phase 2, completion queries over [group prefix ; own tokens causally];
+- :class:`~shared_prefix_logps.tree.context.TreeContext`: a prefix-tree node call (``tree/attention.py``).
 
 The attention itself is computed by the phase's backend (``backends/``): ``expand`` (SDPA over per-row gathered
 keys), ``flex`` (packed rows, one ``flex_attention`` call) or ``flash`` (packed rows, flash-attn's varlen kernels);
@@ -19,6 +20,8 @@ import sys
 import torch
 
 from ..backends import expand, flash, flex
+from ..tree.attention import tree_attention
+from ..tree.context import TreeContext
 from .context import CONTEXT_KWARG, CaptureContext, PhaseHandle, SharedContext
 from .routing import RouteBox, attach
 
@@ -133,6 +136,8 @@ def _phase_attention(module, query, key, value, attention_mask, handle, kwargs):
         sinks=_sink_logits(module, kwargs.get("s_aux"), query),
     )
     window = _sliding_window(module, kwargs)
+    if isinstance(context, TreeContext):
+        return tree_attention(module, query, key, value, context, window, options), None
     _check_single_call(module, context)
     if isinstance(context, CaptureContext):
         if context.packed == "flash":

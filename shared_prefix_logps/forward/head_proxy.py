@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ..model.head_weights import effective_head
+from ..tree.context import TreeContext
 from .context import CaptureContext, HeadCheckContext, SharedContext, active_context
 from .routing import RouteBox, attach
 
@@ -97,12 +98,16 @@ def _phase_head_forward(proxy: HeadProxy, context, hidden_states, *args, **kwarg
     # on into the model (wrappers' backward hooks fire on the way), and DDP's unused-parameter search walks it.
     if isinstance(context, CaptureContext):
         return hidden_states[..., :0]
-    if not isinstance(context, SharedContext):
+    if isinstance(context, TreeContext):
+        # Packed node tokens: a hidden state may predict several targets (a node's last token, one per child).
+        hidden = hidden_states.flatten(0, -2)[context.head_index]
+    elif isinstance(context, SharedContext):
+        hidden = hidden_states[context.query_valid]
+    else:
         raise TypeError(f"unexpected phase context {type(context).__name__}")
     from ..kernels.fused_head import linear_logps
 
     spec = context.head_spec
-    hidden = hidden_states[context.query_valid]
     if spec.scale != 1.0:
         hidden = hidden * spec.scale
     weight, bias = effective_head(self)

@@ -45,3 +45,31 @@ def _refuse_small_heads(gm) -> None:
             raise NotImplementedError(
                 f"NYI: embedding dimension of the query, key, and value must be at least 16 but got {dims}"
             )
+
+
+def compile_flex_on_cpu(monkeypatch) -> GraphCounter:
+    """Compile the flex path on CPU with a counting ``aot_eager`` backend, and allow flex's backward there (torch
+    refuses it up front on CPU although its reference backward runs); returns the counter."""
+    from shared_prefix_logps.backends import flex
+
+    counter = GraphCounter()
+    monkeypatch.setitem(flex._COMPILE_BACKENDS, "cpu", counter)
+    allow_flex_backward_on_cpu(monkeypatch)
+    return counter
+
+
+def allow_flex_backward_on_cpu(monkeypatch) -> None:
+    """Let flex_attention's backward run on CPU: the library's own gate and torch's up-front device check both refuse
+    it there, although torch's reference (eager) backward runs."""
+    import torch.nn.attention.flex_attention as flex_module
+
+    from shared_prefix_logps.backends import flex
+
+    monkeypatch.setattr(flex, "_BACKWARD_DEVICES", flex._BACKWARD_DEVICES | {"cpu"})
+    validate = flex_module._validate_device
+
+    def validate_without_cpu_backward_refusal(query, key, value):
+        if query.device.type != "cpu":
+            validate(query, key, value)
+
+    monkeypatch.setattr(flex_module, "_validate_device", validate_without_cpu_backward_refusal)

@@ -1,0 +1,108 @@
+"""Random batches of rows that form prefix trees, for the tree entry points' tests."""
+
+from __future__ import annotations
+
+import torch
+
+from .tiny_models import VOCAB
+
+
+def random_tree_rows(seed: int, *, depth: int, branching: int, max_segment: int = 4) -> list[list[int]]:
+    """Token-id lists forming a trie of up to ``depth`` levels below a shared system prompt, up to ``branching``
+    children per node, segments of 1..``max_segment`` tokens (one-token nodes included). Some rows end inside the
+    tree (a row that is a prefix of others), one row is duplicated, one row shares nothing with the rest."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randint(low, high):
+        return int(torch.randint(low, high + 1, (1,), generator=gen))
+
+    def tokens(count):
+        return torch.randint(0, VOCAB, (count,), generator=gen).tolist()
+
+    rows: list[list[int]] = []
+
+    def grow(prefix: list[int], level: int) -> None:
+        path = prefix + tokens(randint(1, max_segment))
+        if level == depth:
+            rows.append(path)
+            return
+        if randint(0, 3) == 0:
+            rows.append(path)  # ends here although the subtree goes on
+        for _ in range(randint(1, branching)):
+            grow(path, level + 1)
+
+    system = tokens(randint(2, 6))
+    for _ in range(randint(1, 2)):  # prompts that share only the system prompt
+        grow(system, 1)
+    rows.append(list(rows[randint(0, len(rows) - 1)]))  # a duplicate
+    rows.append(tokens(randint(2, 5)))  # shares nothing
+    return rows
+
+
+def pad_rows(rows: list[list[int]], seed: int, *, hole_rate: float = 0.3, extra: int = 1):
+    """(ids, attention_mask, score_mask), each (N, L): rows left- or right-padded at random (both kinds present),
+    score masks with random holes, never on a row's first real token, at least one scored position."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(len(r) for r in rows) + extra
+    num = len(rows)
+    ids = torch.zeros(num, width, dtype=torch.long)
+    mask = torch.zeros(num, width, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        left = i % 2 == 0 if num > 1 else True
+        span = slice(width - len(row), width) if left else slice(0, len(row))
+        ids[i, span] = torch.tensor(row)
+        mask[i, span] = True
+    score = mask & (torch.rand(num, width, generator=gen) >= hole_rate)
+    first = mask.long().argmax(1)
+    score[torch.arange(num), first] = False
+    if not score.any():
+        score[0, mask[0].nonzero()[-1]] = True
+    return ids, mask, score
+
+
+def planned_node_calls(rows: list[list[int]], *, rows_per_chunk: int):
+    """(trie, calls): the node calls the depth-first walk plans for ``rows`` (each a token-id list, every position
+    scored) taken ``rows_per_chunk`` at a time, in planning order. Later chunks' calls attend over several earlier
+    calls, so their ancestor stores hold nodes out of depth-first order."""
+    from shared_prefix_logps.tree.inputs import TreeRows
+    from shared_prefix_logps.tree.plan import CallPlanner, scored_pairs
+    from shared_prefix_logps.tree.trie import build_trie
+
+    width = max(len(row) for row in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+    lengths = torch.tensor([len(row) for row in rows])
+    real = torch.arange(width)[None, :] < lengths[:, None]
+    score = real.clone()
+    score[:, 0] = False
+    tree_rows = TreeRows(ids, real, score, torch.zeros(len(rows), dtype=torch.long), lengths)
+    trie = build_trie(tree_rows.justified(), lengths)
+    planner = CallPlanner(trie, scored_pairs(trie, tree_rows))
+    order = torch.argsort(trie.row_end, stable=True).tolist()
+    planned: set[int] = set()
+    calls = []
+    for start in range(0, len(order), rows_per_chunk):
+        chunk = order[start : start + rows_per_chunk]
+        new = sorted({node for row in chunk for node in trie.path(row)} - planned)
+        for depth in sorted({int(trie.depth[node]) for node in new}):
+            calls.append(planner.plan([node for node in new if int(trie.depth[node]) == depth]))
+        planned.update(new)
+    return trie, calls
+
+
+def token_visibility(trie, call, window) -> torch.Tensor:
+    """(T, A_total + T) bool: which of [the call's ancestor store ; its own tokens] each of its T packed tokens may
+    see, from the trie's parent links: the key's node is an ancestor of the query's node, or is it and the key comes
+    no later; and the query's position is less than ``window`` past the key's."""
+    sees = torch.zeros(trie.num_nodes, trie.num_nodes, dtype=torch.bool)
+    for node in range(trie.num_nodes):
+        sees[node, trie.ancestors(node)] = True
+    key_node = torch.cat([call.store_node, call.query_node])
+    key_order = torch.cat([call.store_order, call.query_order])
+    key_pos = torch.cat([call.store_positions, call.positions[0]])
+    q_node, q_order, q_pos = call.query_node[:, None], call.query_order[:, None], call.positions[0][:, None]
+    ancestor = sees[q_node, key_node[None, :]]
+    itself = (q_node == key_node[None, :]) & (key_order[None, :] <= q_order)
+    near = torch.ones_like(ancestor) if window is None else (q_pos - key_pos[None, :]) < window
+    return (ancestor | itself) & near

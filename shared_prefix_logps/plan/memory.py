@@ -167,16 +167,20 @@ def _model_state(dims: ModelDims, w: Workload, engine: Engine) -> dict[str, int]
     return terms
 
 
-def _end_of_backward(dims: ModelDims, w: Workload, engine: Engine) -> dict[str, int]:
-    """The last moment of backward on ``cpu``: every gradient allocated, the embedding's own gradient beside the
-    head's before they are summed (tied weights). On ``cuda`` the gradients are in every moment already."""
+def _trainable(dims: ModelDims, w: Workload) -> int:
+    return dims.params if w.lora_fraction is None else int(dims.params * w.lora_fraction)
+
+
+def _end_of_backward(dims: ModelDims, w: Workload, engine: Engine, *, accumulating: bool = False) -> dict[str, int]:
+    """The last moment of backward on ``cpu``: every gradient allocated and, with tied weights, the head's and the
+    embedding's gradients of the shared weight held until autograd sums them (the sum becomes its ``.grad``, or,
+    ``accumulating`` into an existing ``.grad`` as chunks do, is a third tensor). On ``cuda`` the gradients are in
+    every moment already."""
     if engine.device != "cpu" or not w.train:
         return {}
-    trainable = dims.params if w.lora_fraction is None else int(dims.params * w.lora_fraction)
-    terms = {"gradients": trainable * w.itemsize}
+    terms = {"gradients": _trainable(dims, w) * w.itemsize}
     if dims.tied:
-        # The head's gradient is the weight's .grad when the embedding's arrives; their sum is a third tensor.
-        terms["embedding grad and sum"] = 2 * dims.vocab * dims.hidden * w.itemsize
+        terms["head and embedding grads"] = (3 if accumulating else 2) * dims.vocab * dims.hidden * w.itemsize
     return terms
 
 
@@ -195,12 +199,23 @@ def _dense_like(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _M
         head_backward = {"fp32 log-probs": tempered, "fp32 log-prob grads": 2 * tempered}
         head_weight_backward = {"logits grad": keep, "head weight grad": v * dims.hidden * s}
     else:
+        # TRL's fused head: every position where Triton is not used (CPU), the scored ones on CUDA; a
+        # (min(N, 4096), 32768) matmul buffer whatever V is, and the torch fallback's float32 temporaries over the
+        # tile's V columns (forward: the transformed logits, their shift and exp; backward: about eight).
         positions = tokens - rows if engine.device == "cpu" else w.scored
-        tile = min(positions, TRL_TOKEN_TILE) * min(v, TRL_VOCAB_TILE)
-        head_forward = {"head tiles (fp32)": tile * (s + 12), "head input": positions * dims.hidden * s}
+        tile_rows, tile_cols = min(positions, TRL_TOKEN_TILE), min(v, TRL_VOCAB_TILE)
+        buffer = tile_rows * TRL_VOCAB_TILE * s
+        cpu = engine.device == "cpu"
+        head_forward = {
+            "head tile buffer": buffer,
+            "head tile temporaries (fp32)": tile_rows * tile_cols * 12 if cpu else 0,
+            "head input": positions * dims.hidden * s,
+        }
         head_after = {}
         head_backward = {
-            "head tiles (fp32)": tile * (s + 16),
+            "head tile buffer": buffer,
+            "head tile temporaries (fp32)": tile_rows * tile_cols * 33 if cpu else 0,
+            "head input": positions * dims.hidden * s,
             "head input grad (fp32)": positions * dims.hidden * 4,
             "head weight grad (fp32)": 4 * v * dims.hidden,
         }
@@ -261,11 +276,19 @@ def _shared(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _Momen
     }
     if engine.device == "cuda":
         acts["gathered K/V (one layer)"] = gathered
+    earlier = {}
     if method == "chunked":
         acts["prompt K/V grads"] = prompt_tokens * kv_per_token * dims.layers
+        if chunk_g < w.generations and engine.device == "cpu":
+            # From the second chunk on, every parameter's .grad holds the earlier chunks' sum.
+            earlier = {"gradients": _trainable(dims, w) * s}
     head_forward, head_backward = _fused_head(dims, w, engine, scored)
-    m.add(**acts, **head_forward)
-    m.add(**acts, **head_backward, **{"recomputed layer": _recompute(dims, w, row_tokens)})
+    m.add(**acts, **head_forward, **earlier)
+    m.add(**acts, **head_backward, **earlier, **{"recomputed layer": _recompute(dims, w, row_tokens)})
+    if method == "chunked" and engine.device == "cpu":
+        # The last backward, through the prompt: its activations and K/V gradients beside every gradient.
+        end = _end_of_backward(dims, w, engine, accumulating=chunk_g < w.generations)
+        m.add(**{"prompt activations": phase1, "prompt K/V grads": acts["prompt K/V grads"]}, **end)
     return m
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 
 import torch
 
@@ -33,7 +34,7 @@ def build_model(config: dict, family: str) -> torch.nn.Module:
 
 
 def check_grid(
-    config: dict, families, methods, *, prompts: int, prompt_lens, completion_len: int, generations
+    config: dict, families, methods, *, prompts: int, prompt_lens, completion_len: int, generations, progress=None
 ) -> list[dict]:
     """Measured (``bench.runner.run_one``) and predicted CPU peak bytes of each method over the grid.
 
@@ -66,6 +67,8 @@ def check_grid(
                         error=predicted / run["peak_bytes"] - 1,
                     )
                 )
+                if progress is not None:
+                    progress(records[-1])
         del model
     return records
 
@@ -99,6 +102,7 @@ def main(argv=None) -> None:
     parser.add_argument("--prompt-len", type=int, nargs="+", default=[128, 256])
     parser.add_argument("--completion-len", type=int, default=32)
     parser.add_argument("--generations", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--families", default="qwen2,llama")
     args = parser.parse_args(argv)
     from .dims import dims_from_preset
 
@@ -116,12 +120,13 @@ def main(argv=None) -> None:
     )
     records = check_grid(
         config,
-        ("qwen2", "llama"),
+        args.families.split(","),
         args.methods.split(","),
         prompts=args.prompts,
         prompt_lens=args.prompt_len,
         completion_len=args.completion_len,
         generations=args.generations,
+        progress=lambda record: print(record, file=sys.stderr, flush=True),
     )
     print(markdown(records))
 

@@ -25,6 +25,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--lora-fraction", type=float, default=None, help="trainable share of parameters (LoRA)")
     parser.add_argument("--optimizer", default="adamw", help="adamw or sgd")
+    parser.add_argument(
+        "--generations-per-chunk", type=int, default=None, help="chunked_backward's chunk (default: G // 4)"
+    )
     parser.add_argument("--gpus", type=int, default=1, help="world size of the engine")
     parser.add_argument("--gpu-memory", default="80GB", help="memory of one device, e.g. 80GB or 141GB")
     parser.add_argument("--engine", default=None, help=f"one of {', '.join(ENGINES)} (default: single for one GPU)")
@@ -56,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
             gradient_checkpointing=args.gradient_checkpointing,
             lora_fraction=args.lora_fraction,
             optimizer=args.optimizer,
+            generations_per_chunk=args.generations_per_chunk,
         )
         kind = args.engine or ("single" if args.gpus == 1 else "fsdp2")
         engine = Engine(kind, args.gpus, args.device, parse_memory_size(args.gpu_memory))
@@ -84,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"| {p.memory.method} | {_gib(p.memory.peak_bytes)} | {fits} | {terms} | {tflops:.1f} |{extra}")
     token_floor = workload.shared_tokens / workload.dense_tokens
     print(f"token floor {token_floor:.3f}; FLOP floor {flop_floor(dims, workload) / 1e12:.1f} TFLOPs (forward)")
-    print(_settings(plans, workload))
+    print(_settings(dims, workload, engine))
     return 0
 
 
@@ -101,6 +105,7 @@ _OPTION_OF = {
     "device": "--device",
     "lora_fraction": "--lora-fraction",
     "layers": "--layers",
+    "generations_per_chunk": "--generations-per-chunk",
     "preset": "--model",
     "config": "--model",
     "model": "--model",
@@ -114,18 +119,31 @@ def _with_option(error: Exception) -> str:
     text = str(error)
     if text.startswith("--"):
         return text
-    for name, option in _OPTION_OF.items():
+    # Longest names first: generations_per_chunk before generations.
+    for name, option in sorted(_OPTION_OF.items(), key=lambda item: -len(item[0])):
         if text.startswith((name + " ", f"unknown {name}", name)):
             return f"{option}: {text}"
     return text
 
 
-def _settings(plans, workload: Workload) -> str:
-    """What to set for the methods that do not fit as they are."""
-    chunked = next((p for p in plans if p.memory.method == "chunked"), None)
-    generations_per_chunk = max(1, workload.generations // 4)
-    advice = f"settings: chunked_backward(generations_per_chunk={generations_per_chunk})"
-    if chunked is not None and chunked.fits is False:
-        advice += " does not fit either: use gradient checkpointing, more GPUs or a smaller batch"
-    advice += "; no-grad scoring: token_budget=32768 (the default)"
-    return advice
+def _settings(dims, workload: Workload, engine: Engine) -> str:
+    """``chunked_backward``'s largest power-of-two ``generations_per_chunk`` that fits (the fewest backward passes),
+    or what to change when none does."""
+    from .memory import plan_memory
+
+    if not workload.train:
+        return "settings: no-grad scoring batches within token_budget=32768 (the default)"
+    if engine.memory_bytes is None:
+        return f"settings: chunked_backward(generations_per_chunk={workload.chunk_generations})"
+    chunk, best = 1, None
+    while chunk <= workload.generations:
+        need = plan_memory("chunked", dims, workload.with_chunk(chunk), engine).peak_bytes
+        if need > engine.memory_bytes:
+            break
+        best, chunk = chunk, chunk * 2
+    if best is not None:
+        return f"settings: chunked_backward(generations_per_chunk={best}) fits"
+    options = ["more GPUs", "LoRA (--lora-fraction)", "fewer prompts per device"]
+    if not workload.gradient_checkpointing:
+        options.insert(0, "--gradient-checkpointing")
+    return "settings: chunked_backward does not fit even with generations_per_chunk=1; try " + ", ".join(options)

@@ -21,8 +21,8 @@ tokens once and R x C completion tokens):
     expand    additive masks and per-row gathered prompt K/V (``backends.expand_memory``); on CPU the gathered
               K/V are saved per layer, on CUDA they are recomputed in backward (one layer at a time)
     flex      no per-row copies: packed [prompt ; completions] keys, the block mask's few bytes
-    chunked   Phase 1 saved once plus one generation chunk's Phase 2 at a time (G/4 generations per chunk, as the
-              bench runs it), the prompts' K/V gradients accumulated beside
+    chunked   Phase 1 saved once plus one generation chunk's Phase 2 at a time (``generations_per_chunk``, G/4 as
+              the bench runs it by default), the prompts' K/V gradients accumulated beside
     all shared methods: the fused head's row chunks (``kernels.fused_head``: float32 logits of <= 256 MiB on CPU),
     its float32 (V, H) weight-gradient accumulator
 
@@ -134,7 +134,7 @@ def _fused_head(dims: ModelDims, w: Workload, engine: Engine, scored: int) -> tu
         "head chunk": chunk * v * backward_per_entry,
         "head input": scored * dims.hidden * s,
         "head input grad": scored * dims.hidden * s,
-        "head weight grad (fp32)": 4 * v * dims.hidden,
+        "head weight grad (fp32)": _head_weight_grad(dims, w),
     }
     return forward, backward
 
@@ -167,6 +167,11 @@ def _model_state(dims: ModelDims, w: Workload, engine: Engine) -> dict[str, int]
     return terms
 
 
+def _head_weight_grad(dims: ModelDims, w: Workload) -> int:
+    """The LM head's float32 weight gradient; none under LoRA, where the head is frozen."""
+    return 4 * dims.vocab * dims.hidden if w.lora_fraction is None else 0
+
+
 def _trainable(dims: ModelDims, w: Workload) -> int:
     return dims.params if w.lora_fraction is None else int(dims.params * w.lora_fraction)
 
@@ -197,7 +202,7 @@ def _dense_like(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _M
         head_forward = {"logits": keep, "fp32 logits copy": upcast, "fp32 tempered logits": tempered}
         head_after = {"fp32 tempered logits": tempered, "fp32 log-probs": tempered}
         head_backward = {"fp32 log-probs": tempered, "fp32 log-prob grads": 2 * tempered}
-        head_weight_backward = {"logits grad": keep, "head weight grad": v * dims.hidden * s}
+        head_weight_backward = {"logits grad": keep, "head weight grad": _head_weight_grad(dims, w) * s // 4}
     else:
         # TRL's fused head: every position where Triton is not used (CPU), the scored ones on CUDA; a
         # (min(N, 4096), 32768) matmul buffer whatever V is, and the torch fallback's float32 temporaries over the
@@ -217,7 +222,7 @@ def _dense_like(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _M
             "head tile temporaries (fp32)": tile_rows * tile_cols * 33 if cpu else 0,
             "head input": positions * dims.hidden * s,
             "head input grad (fp32)": positions * dims.hidden * 4,
-            "head weight grad (fp32)": 4 * v * dims.hidden,
+            "head weight grad (fp32)": _head_weight_grad(dims, w),
         }
         head_weight_backward = {}
     if not w.train:
@@ -242,7 +247,7 @@ def _shared(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _Momen
     s, lp, c = w.itemsize, w.prompt_len - 1, w.completion_len
     kv_per_token = dims.kv_heads * (dims.head_dim + dims.v_head_dim) * s
     m = _Moments()
-    chunk_g = max(1, w.generations // 4) if (method == "chunked" and w.train) else w.generations
+    chunk_g = w.chunk_generations if (method == "chunked" and w.train) else w.generations
     rows = w.prompts * chunk_g
     scored = w.scored * chunk_g // w.generations
     prompt_tokens, row_tokens = w.prompts * lp, rows * c

@@ -43,6 +43,7 @@ class Workload:
         scored_tokens: completion tokens that are real (not padding), all of them when None; the fused heads
             only compute these.
         prompt_tokens: real prompt tokens (None: all B x P); used by FLOP floors.
+        generations_per_chunk: ``chunked_backward``'s chunk (None: G // 4, as the bench runs it).
     """
 
     prompts: int
@@ -56,6 +57,7 @@ class Workload:
     optimizer: str = "adamw"
     scored_tokens: int | None = None
     prompt_tokens: int | None = None
+    generations_per_chunk: int | None = None
 
     def __post_init__(self):
         _positive_int("prompts", self.prompts)
@@ -69,6 +71,10 @@ class Workload:
             raise ValueError(f"lora_fraction must be in (0, 1], got {self.lora_fraction}")
         if self.prompt_len < 2:
             raise ValueError(f"prompt_len must be at least 2 (Phase 1 forwards prompt[:, :-1]), got {self.prompt_len}")
+        if self.generations_per_chunk is not None and not 1 <= self.generations_per_chunk <= self.generations:
+            raise ValueError(
+                f"generations_per_chunk must be in [1, G={self.generations}], got {self.generations_per_chunk}"
+            )
         if self.scored_tokens is not None and not 0 <= self.scored_tokens <= self.rows * self.completion_len:
             raise ValueError(f"scored_tokens must be in [0, rows x C], got {self.scored_tokens}")
 
@@ -100,12 +106,24 @@ class Workload:
         """Tokens the shared-prefix forward computes: B x (P + G x C)."""
         return self.prompts * self.prompt_len + self.rows * self.completion_len
 
+    @property
+    def chunk_generations(self) -> int:
+        """Generations per ``chunked_backward`` chunk."""
+        return self.generations_per_chunk or max(1, self.generations // 4)
+
     def with_generations(self, generations: int) -> Workload:
-        """The same workload with G = ``generations`` (scored tokens scaled with the rows)."""
+        """The same workload with G = ``generations`` (scored tokens scaled with the rows, the chunk capped)."""
         scored = None
         if self.scored_tokens is not None:
             scored = self.scored_tokens * generations // self.generations
-        return Workload(**{**self.__dict__, "generations": generations, "scored_tokens": scored})
+        chunk = None if self.generations_per_chunk is None else min(self.generations_per_chunk, generations)
+        return Workload(
+            **{**self.__dict__, "generations": generations, "scored_tokens": scored, "generations_per_chunk": chunk}
+        )
+
+    def with_chunk(self, generations_per_chunk: int) -> Workload:
+        """The same workload with ``chunked_backward``'s chunk set."""
+        return Workload(**{**self.__dict__, "generations_per_chunk": generations_per_chunk})
 
 
 @dataclass(frozen=True)

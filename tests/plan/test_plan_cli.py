@@ -86,3 +86,30 @@ def test_config_without_needed_fields_is_refused(tmp_path):
 @pytest.mark.parametrize("text, size", [("80GB", 80 * 10**9), ("80GiB", 80 * 2**30), ("512MiB", 2**29), ("1024", 1024)])
 def test_memory_sizes(text, size):
     assert parse_memory_size(text) == size
+
+
+def test_settings_name_the_largest_chunk_that_fits(capsys):
+    args = ["--prompt-len", "16384", "--generations", "64", "--prompts", "1", "--gradient-checkpointing"]
+    assert main([*BASE[:3], "--completion-len", "1024", *args, "--lora-fraction", "0.01", "--methods", "chunked"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("settings: chunked_backward(generations_per_chunk=") and line.endswith("fits")
+    chunk = int(line.split("=")[1].split(")")[0])
+    # The named chunk fits and twice it does not (or it is all of G).
+    w = Workload(1, 16384, 1024, 64, gradient_checkpointing=True, lora_fraction=0.01)
+    engine = Engine(memory_bytes=parse_memory_size("80GB"))
+    assert plan("qwen2.5-7b", w.with_chunk(chunk), engine, ["chunked"])[0].fits
+    assert chunk == 64 or not plan("qwen2.5-7b", w.with_chunk(2 * chunk), engine, ["chunked"])[0].fits
+
+
+def test_lora_freezes_the_head():
+    full = plan("qwen2.5-7b", Workload(1, 1024, 256, 8), methods=["expand"])[0].memory.terms
+    lora = plan("qwen2.5-7b", Workload(1, 1024, 256, 8, lora_fraction=0.01), methods=["expand"])[0].memory.terms
+    assert full["head weight grad (fp32)"] == 4 * 152064 * 3584
+    assert "head weight grad (fp32)" not in lora
+    assert lora["gradients"] < full["gradients"] / 50
+
+
+def test_bad_generations_per_chunk_names_the_option():
+    with pytest.raises(SystemExit) as raised:
+        main([*BASE, "--generations-per-chunk", "32"])
+    assert "--generations-per-chunk" in str(raised.value) and "[1, G=16]" in str(raised.value)

@@ -7,7 +7,8 @@ Lp = P - 1 prefix keys (Phase 1 forwards ``prompt[:, :-1]``), n scored completio
 Saved for backward per token and layer (what a Llama/Qwen layer's autograd graph holds, read from its ops):
     2 RMSNorms      2 x (8H + 4)    float32 x / rsqrt(var) and the normalized output (the same bytes in bf16, where
                                     the float32 upcast is saved instead of the residual's alias)
-    2 residuals     2 x H x s       the layer input and the sum after attention
+    2 residuals     2 x H x s       the layer input and the sum after attention, in float32 only (a half-precision
+                                    residual is upcast into a copy, which the norms' terms count)
     q, k, v         (h d + g (d + dv)) x s   post-RoPE, saved by SDPA
     attention out   h dv x s + 4h   and its float32 log-sum-exp
     gated MLP       4 I x s         gate, silu(gate), up, their product
@@ -70,15 +71,17 @@ class MemoryPlan:
 def layer_bytes_per_token(dims: ModelDims, s: int) -> int:
     """Bytes one token saves for backward in one decoder layer (module docstring)."""
     norms = 2 * (8 * dims.hidden + 4)
-    residuals = 2 * dims.hidden * s
+    # A float32 residual is what the norm's float32 upcast aliases (and saves); a half-precision one is upcast
+    # into a copy (counted in the norms) and saved by nothing.
+    residuals = 2 * dims.hidden * s if s == 4 else 0
     qkv = (dims.heads * dims.head_dim + dims.kv_heads * (dims.head_dim + dims.v_head_dim)) * s
     attention_out = dims.heads * dims.v_head_dim * s + 4 * dims.heads
     return norms + residuals + qkv + attention_out + 4 * dims.intermediate * s
 
 
 def final_norm_bytes_per_token(dims: ModelDims, s: int) -> int:
-    """The last layer's output and the final RMSNorm's saved tensors, per token."""
-    return dims.hidden * s + 8 * dims.hidden + 4
+    """The final RMSNorm's saved tensors (and, in float32, the last layer's output it aliases), per token."""
+    return (dims.hidden * s if s == 4 else 0) + 8 * dims.hidden + 4
 
 
 def layer_transient_bytes_per_token(dims: ModelDims, s: int) -> int:

@@ -56,13 +56,25 @@ def plan(
     return plans
 
 
-def predicted_peak_bytes(method: str, model, workload: Workload, *, device: str = "cuda", layers=None) -> int:
-    """Predicted peak bytes of one ``method`` step on one device (``device='cpu'``: what ``bench`` measures there).
+#: Terms allocated before a step starts (parameters, optimizer states, an FSDP unit's unsharded copy).
+MODEL_STATE_TERMS = ("parameters", "optimizer states", "unsharded layer")
 
-    The GPU peak-memory test bounds its measurement by this (x 1.2).
+
+def predicted_peak_bytes(
+    method: str, model, workload: Workload, *, device: str = "cuda", layers=None, step_only: bool = False
+) -> int:
+    """Predicted peak bytes of one ``method`` step on one device.
+
+    ``device='cpu'`` predicts what ``bench --device cpu`` measures (live tensor bytes allocated inside the step);
+    ``step_only=True`` on ``cuda`` leaves out what exists before the step (:data:`MODEL_STATE_TERMS`), as
+    ``bench``'s CUDA measurement (peak allocated minus what was allocated before) does. The GPU peak-memory test
+    bounds its measurement by this (x 1.2).
     """
     dims = load_dims(model).with_layers(layers)
-    return plan_memory(method, dims, workload, Engine(device=device)).peak_bytes
+    memory = plan_memory(method, dims, workload, Engine(device=device))
+    if step_only:
+        return memory.peak_bytes - sum(memory.terms.get(name, 0) for name in MODEL_STATE_TERMS)
+    return memory.peak_bytes
 
 
 def max_generations(model, workload: Workload, engine: Engine, method: str, *, limit: int = 4096, layers=None) -> int:

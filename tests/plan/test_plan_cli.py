@@ -113,3 +113,13 @@ def test_bad_generations_per_chunk_names_the_option():
     with pytest.raises(SystemExit) as raised:
         main([*BASE, "--generations-per-chunk", "32"])
     assert "--generations-per-chunk" in str(raised.value) and "[1, G=16]" in str(raised.value)
+
+
+def test_step_only_prediction_leaves_out_the_model_state():
+    from shared_prefix_logps.plan import predicted_peak_bytes
+
+    w = Workload(2, 1024, 256, 8)
+    whole = plan("qwen2.5-1.5b", w, methods=["expand"])[0].memory
+    step = predicted_peak_bytes("expand", "qwen2.5-1.5b", w, step_only=True)
+    assert step == whole.peak_bytes - whole.terms["parameters"] - whole.terms["optimizer states"]
+    assert predicted_peak_bytes("expand", "qwen2.5-1.5b", w) == whole.peak_bytes

@@ -1,4 +1,4 @@
-"""``shared-prefix-logps``: the command line (``bench`` and ``demo``)."""
+"""``shared-prefix-logps``: the command line (``bench``, ``demo`` and ``plan``)."""
 
 from __future__ import annotations
 
@@ -224,7 +224,12 @@ def main(argv=None) -> int:
     )
     demo = sub.add_parser("demo", help="the CPU/GPU demo (same as python -m shared_prefix_logps.bench.demo)")
     demo.add_argument("rest", nargs=argparse.REMAINDER)
+    from ..plan import cli as plan_cli
+
+    plan_cli.add_arguments(sub.add_parser("plan", help="predicted peak memory and FLOPs of every method"))
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return plan_cli.run(args)
     if args.command == "demo":
         from .demo import main as demo_main
 

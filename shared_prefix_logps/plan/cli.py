@@ -1,0 +1,149 @@
+"""``shared-prefix-logps plan``: the command line of the planner (registered by ``bench.cli``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .api import max_generations, plan
+from .dims import load_dims
+from .flops import flop_floor
+from .memory import METHODS
+from .workload import DTYPE_BYTES, ENGINES, Engine, Workload, parse_memory_size
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``plan`` subcommand's options (the workload options mean what they mean to ``bench``)."""
+    parser.add_argument("--model", required=True, help="a bench preset or a config.json path (or its directory)")
+    parser.add_argument("--layers", type=int, default=None, help="override the model's depth")
+    parser.add_argument("--prompts", type=int, default=2, help="B, prompts per batch")
+    parser.add_argument("--prompt-len", type=int, required=True, help="P, padded prompt width")
+    parser.add_argument("--completion-len", type=int, required=True, help="C, padded completion width")
+    parser.add_argument("--generations", type=int, required=True, help="G, completions per prompt")
+    parser.add_argument("--workload", default="train", help="score (no gradients) or train")
+    parser.add_argument("--dtype", default="bf16", help=f"one of {', '.join(DTYPE_BYTES)}")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--lora-fraction", type=float, default=None, help="trainable share of parameters (LoRA)")
+    parser.add_argument("--optimizer", default="adamw", help="adamw or sgd")
+    parser.add_argument(
+        "--generations-per-chunk", type=int, default=None, help="chunked_backward's chunk (default: G // 4)"
+    )
+    parser.add_argument("--gpus", type=int, default=1, help="world size of the engine")
+    parser.add_argument("--gpu-memory", default="80GB", help="memory of one device, e.g. 80GB or 141GB")
+    parser.add_argument("--engine", default=None, help=f"one of {', '.join(ENGINES)} (default: single for one GPU)")
+    parser.add_argument("--device", default="cuda", help="cuda, or cpu for what `bench --device cpu` measures")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--max-generations", action="store_true", help="also the largest power-of-two G that fits")
+    parser.add_argument("--json", action="store_true", help="one JSON record per method instead of a table")
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the plan for ``args``; errors in the options exit with a message naming the option."""
+    try:
+        methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        unknown = [m for m in methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
+        dims = load_dims(args.model).with_layers(args.layers)
+        workload = Workload(
+            args.prompts,
+            args.prompt_len,
+            args.completion_len,
+            args.generations,
+            mode=args.workload,
+            dtype=args.dtype,
+            gradient_checkpointing=args.gradient_checkpointing,
+            lora_fraction=args.lora_fraction,
+            optimizer=args.optimizer,
+            generations_per_chunk=args.generations_per_chunk,
+        )
+        kind = args.engine or ("single" if args.gpus == 1 else "fsdp2")
+        engine = Engine(kind, args.gpus, args.device, parse_memory_size(args.gpu_memory))
+    except (TypeError, ValueError) as error:
+        raise SystemExit(f"shared-prefix-logps plan: {_with_option(error)}") from error
+    plans = plan(dims, workload, engine, methods)
+    best_g = {}
+    if args.max_generations:
+        best_g = {p.memory.method: max_generations(dims, workload, engine, p.memory.method) for p in plans}
+    if args.json:
+        records = [{**p.record(), **({"max_generations": best_g[p.memory.method]} if best_g else {})} for p in plans]
+        print(json.dumps({"model": dims.name, "workload": workload.__dict__, "methods": records}, indent=1))
+        return 0
+    print(
+        f"{dims.name}: {dims.params / 1e9:.2f}B params, {dims.layers} layers; B={workload.prompts}"
+        f" P={workload.prompt_len} C={workload.completion_len} G={workload.generations} {workload.mode}"
+        f" {workload.dtype}; {engine.kind} x {engine.world_size}, {_gib(engine.memory_bytes)} each"
+    )
+    print("| method | peak per device | fits | largest terms | TFLOPs |" + (" max G |" if best_g else ""))
+    print("|---|---|---|---|---|" + ("---|" if best_g else ""))
+    for p in plans:
+        terms = ", ".join(f"{name} {_gib(size)}" for name, size in p.memory.largest())
+        fits = {True: "yes", False: "no", None: "?"}[p.fits]
+        extra = f" {best_g[p.memory.method]} |" if best_g else ""
+        tflops = p.flops.total / 1e12
+        print(f"| {p.memory.method} | {_gib(p.memory.peak_bytes)} | {fits} | {terms} | {tflops:.1f} |{extra}")
+    token_floor = workload.shared_tokens / workload.dense_tokens
+    print(f"token floor {token_floor:.3f}; FLOP floor {flop_floor(dims, workload) / 1e12:.1f} TFLOPs (forward)")
+    print(_settings(dims, workload, engine))
+    return 0
+
+
+_OPTION_OF = {
+    "prompts": "--prompts",
+    "prompt_len": "--prompt-len",
+    "completion_len": "--completion-len",
+    "generations": "--generations",
+    "workload": "--workload",
+    "dtype": "--dtype",
+    "optimizer": "--optimizer",
+    "gpus": "--gpus",
+    "engine": "--engine",
+    "device": "--device",
+    "lora_fraction": "--lora-fraction",
+    "layers": "--layers",
+    "generations_per_chunk": "--generations-per-chunk",
+    "preset": "--model",
+    "config": "--model",
+    "model": "--model",
+    "unknown preset": "--model",
+    "gpu_memory": "--gpu-memory",
+}
+
+
+def _with_option(error: Exception) -> str:
+    """The error's message, led by the command-line option it is about."""
+    text = str(error)
+    if text.startswith("--"):
+        return text
+    # Longest names first: generations_per_chunk before generations.
+    for name, option in sorted(_OPTION_OF.items(), key=lambda item: -len(item[0])):
+        if text.startswith((name + " ", f"unknown {name}", name)):
+            return f"{option}: {text}"
+    return text
+
+
+def _settings(dims, workload: Workload, engine: Engine) -> str:
+    """``chunked_backward``'s largest power-of-two ``generations_per_chunk`` that fits (the fewest backward passes),
+    or what to change when none does."""
+    from .memory import plan_memory
+
+    if not workload.train:
+        return "settings: no-grad scoring batches within token_budget=32768 (the default)"
+    if engine.memory_bytes is None:
+        return f"settings: chunked_backward(generations_per_chunk={workload.chunk_generations})"
+    chunk, best = 1, None
+    while chunk <= workload.generations:
+        need = plan_memory("chunked", dims, workload.with_chunk(chunk), engine).peak_bytes
+        if need > engine.memory_bytes:
+            break
+        best, chunk = chunk, chunk * 2
+    if best is not None:
+        return f"settings: chunked_backward(generations_per_chunk={best}) fits"
+    options = ["more GPUs", "LoRA (--lora-fraction)", "fewer prompts per device"]
+    if not workload.gradient_checkpointing:
+        options.insert(0, "--gradient-checkpointing")
+    return "settings: chunked_backward does not fit even with generations_per_chunk=1; try " + ", ".join(options)

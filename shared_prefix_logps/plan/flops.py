@@ -1,0 +1,86 @@
+"""FLOPs of each method: the body's matmuls, attention and the head, forward and backward.
+
+A matmul of (m, k) by (k, n) is 2 m k n FLOPs (``torch.utils.flop_counter`` counts the same); backward is twice
+the forward (gradients of both operands). Per token and layer the body's projections and gated MLP cost
+2 x (H (h d + g (d + dv)) + h dv H + 3 H I). Attention costs 2 x h x (d + dv) per (query, visible key) pair; the
+counted pairs are what the kernels compute: full rows' causal SDPA is counted by ``FlopCounterMode`` as the whole
+(T x T) square (it does not know about causality), the shared path's Phase 2 as C x (Lp + C) per row. The head is
+2 x H x V per scored token (the dense path computes C + 1 positions per row, TRL's CPU fallback every position).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .dims import ModelDims
+from .workload import Workload
+
+
+@dataclass(frozen=True)
+class FlopCount:
+    """FLOPs of one step: ``parts`` maps body/attention/head to forward plus backward FLOPs."""
+
+    parts: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.parts.values())
+
+
+def body_flops_per_token(dims: ModelDims) -> int:
+    """Forward FLOPs of one token through one layer's projections and MLP."""
+    q = dims.heads * dims.head_dim
+    kv = dims.kv_heads * (dims.head_dim + dims.v_head_dim)
+    return 2 * (
+        dims.hidden * (q + kv) + dims.heads * dims.v_head_dim * dims.hidden + 3 * dims.hidden * dims.intermediate
+    )
+
+
+def attention_flops(dims: ModelDims, queries: int, keys: int) -> int:
+    """Forward FLOPs of ``queries`` x ``keys`` scores and their weighted sum of values, over all heads."""
+    return 2 * dims.heads * (dims.head_dim + dims.v_head_dim) * queries * keys
+
+
+def count_flops(method: str, dims: ModelDims, w: Workload, *, device: str = "cpu") -> FlopCount:
+    """Forward (and with ``train``, backward) FLOPs of ``method`` on ``w``, split into body, attention and head."""
+    lp, c, rows = w.prompt_len - 1, w.completion_len, w.rows
+    factor = 3 if w.train else 1
+    if method in ("dense", "trl"):
+        width = w.prompt_len + c
+        tokens = rows * width
+        attention = rows * attention_flops(dims, width, width)
+        if method == "dense":
+            head_tokens = rows * (c + 1)
+        else:
+            head_tokens = rows * (width - 1) if device == "cpu" else w.scored
+    else:
+        tokens = w.prompts * lp + rows * c
+        attention = w.prompts * attention_flops(dims, lp, lp) + rows * attention_flops(dims, c, lp + c)
+        head_tokens = w.scored
+    head = 2 * head_tokens * dims.hidden * dims.vocab
+    if method in ("expand", "flex", "chunked", "trl") and w.train:
+        head_factor = 4  # fused heads recompute the chunk's logits in backward
+    else:
+        head_factor = factor
+    return FlopCount(
+        {
+            "body": factor * tokens * dims.layers * body_flops_per_token(dims),
+            "attention": factor * dims.layers * attention,
+            "head": head_factor * head,
+        }
+    )
+
+
+def flop_floor(dims: ModelDims, w: Workload) -> int:
+    """Forward FLOPs of the real tokens alone, each prompt once: body and causal attention of B x (P + G x C)
+    tokens' worth, the head over the scored tokens; no method computes less."""
+    prompt_tokens = w.prompt_tokens if w.prompt_tokens is not None else w.prompts * w.prompt_len
+    tokens = prompt_tokens + w.scored
+    mean_prompt = prompt_tokens / w.prompts
+    mean_completion = w.scored / w.rows
+    pairs = w.prompts * mean_prompt**2 / 2 + w.rows * mean_completion * (mean_prompt + mean_completion / 2)
+    return int(
+        tokens * dims.layers * body_flops_per_token(dims)
+        + dims.layers * attention_flops(dims, 1, 1) * pairs
+        + 2 * w.scored * dims.hidden * dims.vocab
+    )

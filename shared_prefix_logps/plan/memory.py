@@ -1,0 +1,314 @@
+"""Peak memory per device of each method, term by term.
+
+Sizes (:class:`~.dims.ModelDims`): H hidden, I intermediate, h query and g KV heads of size d (values dv), V vocab,
+n_layers layers, s bytes per element. Workload: B prompts of width P, G generations of width C, R = B x G rows,
+Lp = P - 1 prefix keys (Phase 1 forwards ``prompt[:, :-1]``), n scored completion tokens.
+
+Saved for backward per token and layer (what a Llama/Qwen layer's autograd graph holds, read from its ops):
+    2 RMSNorms      2 x (8H + 4)    float32 x / rsqrt(var) and the normalized output (the same bytes in bf16, where
+                                    the float32 upcast is saved instead of the residual's alias)
+    2 residuals     2 x H x s       the layer input and the sum after attention, in float32 only (a half-precision
+                                    residual is upcast into a copy, which the norms' terms count)
+    q, k, v         (h d + g (d + dv)) x s   post-RoPE, saved by SDPA
+    attention out   h dv x s + 4h   and its float32 log-sum-exp
+    gated MLP       4 I x s         gate, silu(gate), up, their product
+With gradient checkpointing only the layer input (H x s) stays; one layer's terms come back during backward.
+
+Per method (``dense`` and ``trl`` forward R rows of P + C tokens; ``expand``, ``flex`` and ``chunked`` B x Lp prompt
+tokens once and R x C completion tokens):
+    dense     logits (R, C + 1, V) x s, float32 (R, C, V) tempered logits and log-probs, their gradients in backward
+    trl       TRL's fused head: (min(N, 4096), min(V, 32768)) tiles, N = all R x (P + C - 1) positions where Triton
+              is not used (CPU), the scored ones on CUDA; float32 (V, H) weight gradient
+    expand    additive masks and per-row gathered prompt K/V (``backends.expand_memory``); on CPU the gathered
+              K/V are saved per layer, on CUDA they are recomputed in backward (one layer at a time)
+    flex      no per-row copies: packed [prompt ; completions] keys, the block mask's few bytes
+    chunked   Phase 1 saved once plus one generation chunk's Phase 2 at a time (``generations_per_chunk``, G/4 as
+              the bench runs it by default), the prompts' K/V gradients accumulated beside
+    all shared methods: the fused head's row chunks (``kernels.fused_head``: float32 logits of <= 256 MiB on CPU),
+    its float32 (V, H) weight-gradient accumulator
+
+On ``cuda`` the parameters, gradients (trainable share) and optimizer states are added, divided by the world size
+under FSDP2 / ZeRO-3 (which also hold one layer unsharded at a time); on ``cpu`` (``bench --device cpu``) the
+parameters and optimizer are outside the measured step, gradients inside it.
+
+The peak is the largest of a few moments of the step (the forward's largest transient, the start of backward
+through the head, the end of backward with every gradient allocated); :class:`MemoryPlan` keeps the terms of the
+moment that wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..backends.expand_memory import padded_width
+from .dims import ModelDims
+from .workload import OPTIMIZER_STATE_BYTES, Engine, Workload
+
+METHODS = ("dense", "trl", "expand", "flex", "chunked")
+
+#: Float32 logits one fused-head chunk may hold on CPU (``kernels.fused_head.DEFAULT_CHUNK_BYTES``).
+CPU_HEAD_CHUNK_BYTES = 256 * 2**20
+#: On CUDA the fused head sizes its chunk from free memory, within these bounds (``GPU_CHUNK_BYTES_BOUNDS``); the
+#: plan takes the upper bound.
+CUDA_HEAD_CHUNK_BYTES = 8 * 2**30
+#: TRL's fused head tiles: tokens x vocabulary columns.
+TRL_TOKEN_TILE, TRL_VOCAB_TILE = 4096, 32768
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """A method's predicted peak bytes per device and the terms it is the sum of (name -> bytes)."""
+
+    method: str
+    peak_bytes: int
+    terms: dict[str, int]
+
+    def largest(self, count: int = 3) -> list[tuple[str, int]]:
+        """The ``count`` largest terms, largest first."""
+        return sorted(self.terms.items(), key=lambda item: -item[1])[:count]
+
+
+def layer_bytes_per_token(dims: ModelDims, s: int) -> int:
+    """Bytes one token saves for backward in one decoder layer (module docstring)."""
+    norms = 2 * (8 * dims.hidden + 4)
+    # A float32 residual is what the norm's float32 upcast aliases (and saves); a half-precision one is upcast
+    # into a copy (counted in the norms) and saved by nothing.
+    residuals = 2 * dims.hidden * s if s == 4 else 0
+    qkv = (dims.heads * dims.head_dim + dims.kv_heads * (dims.head_dim + dims.v_head_dim)) * s
+    attention_out = dims.heads * dims.v_head_dim * s + 4 * dims.heads
+    return norms + residuals + qkv + attention_out + 4 * dims.intermediate * s
+
+
+def final_norm_bytes_per_token(dims: ModelDims, s: int) -> int:
+    """The final RMSNorm's saved tensors (and, in float32, the last layer's output it aliases), per token."""
+    return (dims.hidden * s if s == 4 else 0) + 8 * dims.hidden + 4
+
+
+def layer_transient_bytes_per_token(dims: ModelDims, s: int) -> int:
+    """The largest moment inside one layer without gradients: the input and the residual, the MLP's normalized
+    input, silu(gate), up and their product."""
+    return 3 * dims.hidden * s + 3 * dims.intermediate * s
+
+
+class _Moments:
+    """Named terms and moments made of them; the peak is the largest moment."""
+
+    def __init__(self):
+        self.moments: list[dict[str, int]] = []
+
+    def add(self, **terms: int) -> None:
+        self.moments.append({name: int(value) for name, value in terms.items() if value})
+
+    def peak(self) -> dict[str, int]:
+        return max(self.moments, key=lambda terms: sum(terms.values()))
+
+
+def _activations(dims: ModelDims, w: Workload, tokens: int, *, extra_per_layer: int = 0) -> int:
+    """Saved activations of ``tokens`` tokens through every layer (``extra_per_layer`` bytes added per layer)."""
+    s = w.itemsize
+    if w.gradient_checkpointing:
+        return tokens * dims.hidden * s * dims.layers
+    return (tokens * layer_bytes_per_token(dims, s) + extra_per_layer) * dims.layers
+
+
+def _recompute(dims: ModelDims, w: Workload, tokens: int, extra_per_layer: int = 0) -> int:
+    """One layer's saved tensors, back during backward under gradient checkpointing."""
+    if not w.gradient_checkpointing:
+        return 0
+    return tokens * layer_bytes_per_token(dims, w.itemsize) + extra_per_layer
+
+
+def _head_chunk_rows(dims: ModelDims, rows: int, engine: Engine) -> int:
+    budget = CUDA_HEAD_CHUNK_BYTES if engine.device == "cuda" else CPU_HEAD_CHUNK_BYTES
+    return max(1, min(max(rows, 1), budget // (4 * dims.vocab)))
+
+
+def _fused_head(dims: ModelDims, w: Workload, engine: Engine, scored: int) -> tuple[dict, dict]:
+    """The library's fused head over ``scored`` rows: (forward transient, backward transient) terms."""
+    s, v = w.itemsize, dims.vocab
+    chunk = _head_chunk_rows(dims, scored, engine)
+    # The torch statistics (CPU) hold a float32 copy beside the chunk's logits, and three float32 buffers in
+    # backward; the Triton kernels (CUDA) work in the logits' buffer, and backward adds its cast for the matmuls.
+    forward_per_entry, backward_per_entry = (s, 2 * s) if engine.device == "cuda" else (s + 4, s + 12)
+    forward = {"head chunk": chunk * v * forward_per_entry, "head input": scored * dims.hidden * s}
+    if not w.train:
+        return forward, {}
+    backward = {
+        "head chunk": chunk * v * backward_per_entry,
+        "head input": scored * dims.hidden * s,
+        "head input grad": scored * dims.hidden * s,
+        "head weight grad (fp32)": _head_weight_grad(dims, w),
+    }
+    return forward, backward
+
+
+def _shared_extras(dims: ModelDims, w: Workload, engine: Engine, rows: int) -> tuple[int, int, int]:
+    """expand's (Phase 1 mask, Phase 2 mask, gathered K/V of one layer) bytes for ``rows`` completion rows."""
+    s, lp, c = w.itemsize, w.prompt_len - 1, w.completion_len
+    prompt_mask = w.prompts * lp * padded_width(lp) * s
+    row_mask = rows * c * padded_width(lp + c) * s
+    gathered = rows * dims.kv_heads * (lp + c) * (dims.head_dim + dims.v_head_dim) * s
+    if engine.device == "cuda" and dims.kv_heads != dims.heads:
+        # A kernel that rejects grouped heads gets them repeated (an upper bound, as token_budget counts it).
+        gathered += rows * dims.heads * (lp + c) * (dims.head_dim + dims.v_head_dim) * s
+    return prompt_mask, row_mask, gathered
+
+
+def _model_state(dims: ModelDims, w: Workload, engine: Engine) -> dict[str, int]:
+    """Parameters, gradients and optimizer states per device (``cuda``); gradients only on ``cpu``."""
+    s, world = w.itemsize, engine.world_size
+    trainable = dims.params if w.lora_fraction is None else int(dims.params * w.lora_fraction)
+    terms = {}
+    if engine.device == "cuda":
+        terms["parameters"] = dims.params * s // world
+        if engine.kind != "single":
+            terms["unsharded layer"] = dims.layer_params * s
+        if w.train:
+            terms["optimizer states"] = trainable * OPTIMIZER_STATE_BYTES[w.optimizer] // world
+        if w.train:
+            terms["gradients"] = trainable * s // world
+    return terms
+
+
+def _head_weight_grad(dims: ModelDims, w: Workload) -> int:
+    """The LM head's float32 weight gradient; none under LoRA, where the head is frozen."""
+    return 4 * dims.vocab * dims.hidden if w.lora_fraction is None else 0
+
+
+def _trainable(dims: ModelDims, w: Workload) -> int:
+    return dims.params if w.lora_fraction is None else int(dims.params * w.lora_fraction)
+
+
+def _end_of_backward(dims: ModelDims, w: Workload, engine: Engine, *, accumulating: bool = False) -> dict[str, int]:
+    """The last moment of backward on ``cpu``: every gradient allocated and, with tied weights, the head's and the
+    embedding's gradients of the shared weight held until autograd sums them (the sum becomes its ``.grad``, or,
+    ``accumulating`` into an existing ``.grad`` as chunks do, is a third tensor). On ``cuda`` the gradients are in
+    every moment already."""
+    if engine.device != "cpu" or not w.train:
+        return {}
+    terms = {"gradients": _trainable(dims, w) * w.itemsize}
+    if dims.tied:
+        terms["head and embedding grads"] = (3 if accumulating else 2) * dims.vocab * dims.hidden * w.itemsize
+    return terms
+
+
+def _dense_like(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _Moments:
+    s, v, rows, c = w.itemsize, dims.vocab, w.rows, w.completion_len
+    width = w.prompt_len + c
+    tokens = rows * width
+    m = _Moments()
+    mask = rows * width * width  # transformers' (rows, 1, T, T) boolean padding mask
+    if method == "dense":
+        keep = rows * (c + 1) * v * s
+        tempered = rows * c * v * 4
+        upcast = tempered if s != 4 else 0
+        head_forward = {"logits": keep, "fp32 logits copy": upcast, "fp32 tempered logits": tempered}
+        head_after = {"fp32 tempered logits": tempered, "fp32 log-probs": tempered}
+        head_backward = {"fp32 log-probs": tempered, "fp32 log-prob grads": 2 * tempered}
+        head_weight_backward = {"logits grad": keep, "head weight grad": _head_weight_grad(dims, w) * s // 4}
+    else:
+        # TRL's fused head: every position where Triton is not used (CPU), the scored ones on CUDA; a
+        # (min(N, 4096), 32768) matmul buffer whatever V is, and the torch fallback's float32 temporaries over the
+        # tile's V columns (forward: the transformed logits, their shift and exp; backward: about eight).
+        positions = tokens - rows if engine.device == "cpu" else w.scored
+        tile_rows, tile_cols = min(positions, TRL_TOKEN_TILE), min(v, TRL_VOCAB_TILE)
+        buffer = tile_rows * TRL_VOCAB_TILE * s
+        cpu = engine.device == "cpu"
+        head_forward = {
+            "head tile buffer": buffer,
+            "head tile temporaries (fp32)": tile_rows * tile_cols * 12 if cpu else 0,
+            "head input": positions * dims.hidden * s,
+        }
+        head_after = {}
+        head_backward = {
+            "head tile buffer": buffer,
+            "head tile temporaries (fp32)": tile_rows * tile_cols * 33 if cpu else 0,
+            "head input": positions * dims.hidden * s,
+            "head input grad (fp32)": positions * dims.hidden * 4,
+            "head weight grad (fp32)": _head_weight_grad(dims, w),
+        }
+        head_weight_backward = {}
+    if not w.train:
+        body = tokens * layer_transient_bytes_per_token(dims, s) + (tokens * dims.hidden * s if dims.layers > 1 else 0)
+        m.add(**{"layer transient": body, "attention mask": mask})
+        # The decoder's hidden states are gone once the model returns its logits; TRL's head reads them.
+        m.add(**head_forward)
+        m.add(**head_after)
+        return m
+    acts = {
+        "activations": _activations(dims, w, tokens) + tokens * final_norm_bytes_per_token(dims, s),
+        "attention mask": mask,
+    }
+    m.add(**acts, **head_forward)
+    m.add(**acts, **head_after)
+    m.add(**acts, **head_backward)
+    m.add(**acts, **head_weight_backward, **{"recomputed layer": _recompute(dims, w, tokens)})
+    return m
+
+
+def _shared(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _Moments:
+    s, lp, c = w.itemsize, w.prompt_len - 1, w.completion_len
+    kv_per_token = dims.kv_heads * (dims.head_dim + dims.v_head_dim) * s
+    m = _Moments()
+    chunk_g = w.chunk_generations if (method == "chunked" and w.train) else w.generations
+    rows = w.prompts * chunk_g
+    scored = w.scored * chunk_g // w.generations
+    prompt_tokens, row_tokens = w.prompts * lp, rows * c
+    prompt_mask, row_mask, gathered = _shared_extras(dims, w, engine, rows)
+    if method == "flex":
+        prompt_mask = row_mask = gathered = 0
+    if not w.train:
+        captured = prompt_tokens * kv_per_token * dims.layers
+        m.add(**{"layer transient": prompt_tokens * layer_transient_bytes_per_token(dims, s), "mask": prompt_mask})
+        m.add(
+            **{
+                "captured prompt K/V": captured,
+                "layer transient": row_tokens * layer_transient_bytes_per_token(dims, s),
+                "gathered K/V (one layer)": gathered,
+                "mask": row_mask,
+            }
+        )
+        head_forward, _ = _fused_head(dims, w, engine, scored)
+        m.add(
+            **{"captured prompt K/V": captured, "last hidden states": 2 * row_tokens * dims.hidden * s}, **head_forward
+        )
+        return m
+    # CPU's SDPA saves each layer's gathered K/V; on CUDA they are recomputed in backward, one layer at a time.
+    saved_gathered = gathered if engine.device == "cpu" else 0
+    phase1 = _activations(dims, w, prompt_tokens)
+    phase2 = _activations(dims, w, row_tokens, extra_per_layer=saved_gathered - row_tokens * kv_per_token)
+    acts = {
+        "prompt activations": phase1,
+        "completion activations": phase2 + row_tokens * final_norm_bytes_per_token(dims, s),
+        "masks": prompt_mask + row_mask,
+    }
+    if engine.device == "cuda":
+        acts["gathered K/V (one layer)"] = gathered
+    earlier = {}
+    if method == "chunked":
+        acts["prompt K/V grads"] = prompt_tokens * kv_per_token * dims.layers
+        if chunk_g < w.generations and engine.device == "cpu":
+            # From the second chunk on, every parameter's .grad holds the earlier chunks' sum.
+            earlier = {"gradients": _trainable(dims, w) * s}
+    head_forward, head_backward = _fused_head(dims, w, engine, scored)
+    m.add(**acts, **head_forward, **earlier)
+    m.add(**acts, **head_backward, **earlier, **{"recomputed layer": _recompute(dims, w, row_tokens)})
+    if method == "chunked" and engine.device == "cpu":
+        # The last backward, through the prompt: its activations and K/V gradients beside every gradient.
+        end = _end_of_backward(dims, w, engine, accumulating=chunk_g < w.generations)
+        m.add(**{"prompt activations": phase1, "prompt K/V grads": acts["prompt K/V grads"]}, **end)
+    return m
+
+
+def plan_memory(method: str, dims: ModelDims, workload: Workload, engine: Engine) -> MemoryPlan:
+    """Predicted peak bytes per device of ``method`` on ``workload``, with its terms.
+
+    Raises:
+        ValueError: an unknown method.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
+    moments = (_dense_like if method in ("dense", "trl") else _shared)(dims, workload, engine, method)
+    moments.add(**_end_of_backward(dims, workload, engine))
+    terms = {**_model_state(dims, workload, engine), **moments.peak()}
+    return MemoryPlan(method, sum(terms.values()), terms)

@@ -1,0 +1,176 @@
+"""What is run (the workload) and where (the engine), with the checks that name a bad option."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+#: Bytes per element of the dtypes ``plan`` knows.
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+WORKLOADS = ("score", "train")
+ENGINES = ("single", "fsdp2", "zero3")
+#: Optimizer state bytes per trainable parameter: AdamW keeps two float32 moments; SGD none.
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd": 0}
+#: ``cpu``: the quantity ``bench --device cpu`` measures (peak live tensor bytes inside one step: parameters and
+#: the optimizer excluded, gradients included); ``cuda``: a training process's peak allocated bytes per device.
+DEVICES = ("cuda", "cpu")
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+def _choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One step's batch: B prompts of P tokens (left-padded width), G completions each of C tokens.
+
+    Attributes:
+        prompts, prompt_len, completion_len, generations: B, P, C, G.
+        mode: ``score`` (no gradients) or ``train`` (log-probs with gradients and their backward).
+        dtype: ``bf16``, ``fp16`` or ``fp32``, the parameters' and activations' dtype.
+        gradient_checkpointing: each decoder layer saves only its input and recomputes the rest in backward.
+        lora_fraction: trainable share of the parameters (None: full training); LoRA trains a small share.
+        optimizer: ``adamw`` or ``sgd`` (its states are counted on ``cuda`` only).
+        scored_tokens: completion tokens that are real (not padding), all of them when None; the fused heads
+            only compute these.
+        prompt_tokens: real prompt tokens (None: all B x P); used by FLOP floors.
+        generations_per_chunk: ``chunked_backward``'s chunk (None: G // 4, as the bench runs it).
+    """
+
+    prompts: int
+    prompt_len: int
+    completion_len: int
+    generations: int
+    mode: str = "train"
+    dtype: str = "bf16"
+    gradient_checkpointing: bool = False
+    lora_fraction: float | None = None
+    optimizer: str = "adamw"
+    scored_tokens: int | None = None
+    prompt_tokens: int | None = None
+    generations_per_chunk: int | None = None
+
+    def __post_init__(self):
+        _positive_int("prompts", self.prompts)
+        _positive_int("prompt_len", self.prompt_len)
+        _positive_int("completion_len", self.completion_len)
+        _positive_int("generations", self.generations)
+        _choice("workload", self.mode, WORKLOADS)
+        _choice("dtype", self.dtype, tuple(DTYPE_BYTES))
+        _choice("optimizer", self.optimizer, tuple(OPTIMIZER_STATE_BYTES))
+        if self.lora_fraction is not None and not 0 < self.lora_fraction <= 1:
+            raise ValueError(f"lora_fraction must be in (0, 1], got {self.lora_fraction}")
+        if self.prompt_len < 2:
+            raise ValueError(f"prompt_len must be at least 2 (Phase 1 forwards prompt[:, :-1]), got {self.prompt_len}")
+        if self.generations_per_chunk is not None and not 1 <= self.generations_per_chunk <= self.generations:
+            raise ValueError(
+                f"generations_per_chunk must be in [1, G={self.generations}], got {self.generations_per_chunk}"
+            )
+        if self.scored_tokens is not None and not 0 <= self.scored_tokens <= self.rows * self.completion_len:
+            raise ValueError(f"scored_tokens must be in [0, rows x C], got {self.scored_tokens}")
+
+    @property
+    def rows(self) -> int:
+        """B x G completion rows."""
+        return self.prompts * self.generations
+
+    @property
+    def train(self) -> bool:
+        return self.mode == "train"
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def scored(self) -> int:
+        """Completion tokens the fused heads score."""
+        return self.rows * self.completion_len if self.scored_tokens is None else self.scored_tokens
+
+    @property
+    def dense_tokens(self) -> int:
+        """Tokens a full-row forward computes: B x G x (P + C)."""
+        return self.rows * (self.prompt_len + self.completion_len)
+
+    @property
+    def shared_tokens(self) -> int:
+        """Tokens the shared-prefix forward computes: B x (P + G x C)."""
+        return self.prompts * self.prompt_len + self.rows * self.completion_len
+
+    @property
+    def chunk_generations(self) -> int:
+        """Generations per ``chunked_backward`` chunk."""
+        return self.generations_per_chunk or max(1, self.generations // 4)
+
+    def with_generations(self, generations: int) -> Workload:
+        """The same workload with G = ``generations`` (scored tokens scaled with the rows, the chunk capped)."""
+        scored = None
+        if self.scored_tokens is not None:
+            scored = self.scored_tokens * generations // self.generations
+        chunk = None if self.generations_per_chunk is None else min(self.generations_per_chunk, generations)
+        return Workload(
+            **{**self.__dict__, "generations": generations, "scored_tokens": scored, "generations_per_chunk": chunk}
+        )
+
+    def with_chunk(self, generations_per_chunk: int) -> Workload:
+        """The same workload with ``chunked_backward``'s chunk set."""
+        return Workload(**{**self.__dict__, "generations_per_chunk": generations_per_chunk})
+
+
+@dataclass(frozen=True)
+class Engine:
+    """Where the step runs: one device, or FSDP2 / ZeRO-3 sharding over ``world_size`` devices.
+
+    Attributes:
+        kind: ``single``, ``fsdp2`` or ``zero3``.
+        world_size: devices sharing the parameters, gradients and optimizer states (1 for ``single``).
+        device: ``cuda`` (allocated bytes of a training process) or ``cpu`` (what ``bench --device cpu`` measures).
+        memory_bytes: one device's memory, for the "fits" verdict (None: no verdict).
+    """
+
+    kind: str = "single"
+    world_size: int = 1
+    device: str = "cuda"
+    memory_bytes: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        _choice("engine", self.kind, ENGINES)
+        _positive_int("gpus", self.world_size)
+        _choice("device", self.device, DEVICES)
+        if self.kind == "single" and self.world_size != 1:
+            raise ValueError(f"engine 'single' runs on one device; got gpus={self.world_size} (use fsdp2 or zero3)")
+        if self.memory_bytes is not None and self.memory_bytes <= 0:
+            raise ValueError(f"gpu_memory must be positive, got {self.memory_bytes}")
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_memory_size(text: str, *, option: str = "--gpu-memory") -> int:
+    """Bytes of a size such as ``80GB`` (decimal), ``80GiB`` (binary), ``81920MiB`` or ``1024`` (bytes).
+
+    Raises:
+        ValueError: naming ``option`` when ``text`` is not such a size.
+    """
+    match = _SIZE.match(str(text))
+    if not match:
+        raise ValueError(f"{option}: cannot read {text!r} as a memory size (examples: 80GB, 80GiB, 141GB)")
+    number, unit = float(match.group(1)), (match.group(2) or "").lower()
+    binary = "i" in unit
+    prefix = unit.rstrip("b").rstrip("i")
+    scale = 1024 ** "kmgt".index(prefix) * 1024 if binary and prefix else _UNITS[prefix]
+    size = int(number * scale)
+    if size <= 0:
+        raise ValueError(f"{option}: memory size must be positive, got {text!r}")
+    return size

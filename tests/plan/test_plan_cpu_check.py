@@ -1,0 +1,65 @@
+"""The plan's CPU predictions against what the bench measures (peak live tensor bytes) and FlopCounterMode counts.
+
+Grid: 2 families (Qwen2 with q/k/v bias, Llama without) x score/train x G in {4, 8, 16} x P in {64, 128}, C = 16,
+B = 2, float32, at tiny widths; every method whose CPU peak can be measured (flex's cannot).
+"""
+
+import pytest
+from torch.utils.flop_counter import FlopCounterMode
+
+from shared_prefix_logps.bench.methods import METHODS
+from shared_prefix_logps.bench.runner import Shape, make_batch
+from shared_prefix_logps.plan import bench_workload, count_flops
+from shared_prefix_logps.plan.check import MEASURABLE, build_model, check_grid, markdown
+from shared_prefix_logps.plan.dims import dims_from_config
+
+CONFIG = dict(
+    hidden_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    intermediate_size=352,
+    vocab_size=4096,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
+TOLERANCE = 0.15
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_cpu_peak_within_tolerance_over_the_grid(family):
+    records = check_grid(
+        CONFIG, [family], MEASURABLE, prompts=2, prompt_lens=(64, 128), completion_len=16, generations=(4, 8, 16)
+    )
+    assert len(records) == 12 * len(MEASURABLE)
+    worst = max(records, key=lambda r: abs(r["error"]))
+    assert abs(worst["error"]) <= TOLERANCE, markdown(records)
+
+
+def _counted_flops(model, method, shape, train):
+    """FlopCounterMode's count of one step, after a first call (which checks the fused head once per model)."""
+    batch = make_batch(shape, model.config.vocab_size, "cpu")
+    step = METHODS[method][0]
+    step(model, batch, train)
+    model.zero_grad(set_to_none=True)
+    with FlopCounterMode(display=False) as counter:
+        step(model, batch, train)
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("method", ["dense", "expand", "chunked"])
+@pytest.mark.parametrize("workload", ["score", "train"])
+def test_flops_match_flop_counter(method, workload):
+    model = build_model(CONFIG, "qwen2")
+    w = bench_workload(2, 64, 16, 4, mode=workload, dtype="fp32")
+    # FlopCounterMode has no formula for CPU's fused SDPA kernel: it counts the matmuls (body and head) only.
+    dims = dims_from_config({**CONFIG, "model_type": "qwen2"})
+    parts = count_flops(method, dims, w).parts
+    predicted = parts["body"] + parts["head"]
+    if method != "dense" and workload == "train":
+        # Nor for in-place addmm_: the fused head's float32 weight-gradient accumulation (2 x scored x H x V).
+        predicted -= 2 * w.scored * dims.hidden * dims.vocab
+    counted = _counted_flops(model, method, Shape(2, 64, 16, 4), workload == "train")
+    assert abs(predicted / counted - 1) <= 0.05, (predicted, counted)

@@ -14,3 +14,14 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fused_path_on_cpu(monkeypatch):
+    """Run the expand backend's CUDA code path (SDPA kernel choice, aligned masks) on CPU tensors."""
+    from shared_prefix_logps.backends import expand, sdpa_kernels
+
+    monkeypatch.setattr(expand, "_FUSED_PATH_DEVICES", expand._FUSED_PATH_DEVICES | {"cpu"})
+    sdpa_kernels.clear_cache()
+    yield
+    sdpa_kernels.clear_cache()

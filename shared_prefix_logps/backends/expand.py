@@ -249,7 +249,8 @@ def on_fused_path(device: torch.device) -> bool:
 
 def _sdpa(query, key, value, mask, *, dropout, scale, groups, is_causal) -> torch.Tensor:
     """F.scaled_dot_product_attention over (batch, heads, q_len, head_dim) queries; (batch, heads, q_len, v_dim)."""
-    if not _fused_path(query):
+
+    def call(key, value, groups):
         return F.scaled_dot_product_attention(
             query,
             key,
@@ -260,6 +261,9 @@ def _sdpa(query, key, value, mask, *, dropout, scale, groups, is_causal) -> torc
             is_causal=is_causal,
             enable_gqa=groups > 1,
         )
+
+    if not _fused_path(query):
+        return call(key, value, groups)
     choice = sdpa_kernels.choose(query, key, value, mask, dropout=dropout, is_causal=is_causal)
     if groups > 1 and choice.repeat_kv:
         # A copy of the keys/values per query head (smaller than the scores the math kernel would build).
@@ -267,16 +271,7 @@ def _sdpa(query, key, value, mask, *, dropout, scale, groups, is_causal) -> torc
         value = value.repeat_interleave(groups, dim=1)
         groups = 1
     with sdpa_kernels.run_on(choice):
-        return F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            attn_mask=mask,
-            dropout_p=dropout,
-            scale=scale,
-            is_causal=is_causal,
-            enable_gqa=groups > 1,
-        )
+        return call(key, value, groups)
 
 
 def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from support.exactness import compare_with_dense
-from support.sdpa_spy import SdpaCalls, enabled_kernels
+from support.sdpa_spy import SdpaCalls, aligned_rows, enabled_kernels
 from support.tiny_models import build_model, make_batch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -30,14 +30,6 @@ from shared_prefix_logps.backends import expand, expand_memory, sdpa_kernels
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 HEAD_DIM = 8  # the tiny models' head size; the priority probe's own call has 64
-
-
-@pytest.fixture
-def fused_path_on_cpu(monkeypatch):
-    monkeypatch.setattr(expand, "_FUSED_PATH_DEVICES", expand._FUSED_PATH_DEVICES | {"cpu"})
-    sdpa_kernels.clear_cache()
-    yield
-    sdpa_kernels.clear_cache()
 
 
 def unpadded_batch(num_prompts, generations, prompt_len, completion_len, seed=0):
@@ -59,10 +51,6 @@ def run_with_spy(monkeypatch, family, batch, sdpa=None):
     out = compute_logps(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, backend="expand")
     out.logps.sum().backward()
     return library_calls(spy)
-
-
-def aligned_rows(mask: torch.Tensor) -> bool:
-    return mask.stride(-1) == 1 and all(stride % 16 == 0 for stride in mask.stride()[:-1])
 
 
 @pytest.mark.usefixtures("fused_path_on_cpu")

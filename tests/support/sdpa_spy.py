@@ -39,3 +39,9 @@ class SdpaCalls:
             )
         )
         return self.sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
+
+def aligned_rows(mask: torch.Tensor) -> bool:
+    """Whether every stride of ``mask`` but the last is a multiple of 16 elements (SDPA's kernels take it without a
+    padded copy) and its rows are contiguous."""
+    return mask.stride(-1) == 1 and all(stride % 16 == 0 for stride in mask.stride()[:-1])

@@ -15,30 +15,18 @@ from __future__ import annotations
 import pytest
 import torch
 from support.exactness import max_relative_grad_error, parameter_grads, weighted_loss
-from support.sdpa_spy import SdpaCalls
+from support.sdpa_spy import SdpaCalls, aligned_rows
 from support.tiny_models import build_model
 from support.trees import pad_rows, planned_node_calls, random_tree_rows, token_visibility
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from shared_prefix_logps import compute_logps_tree
-from shared_prefix_logps.backends import expand, sdpa_kernels
+from shared_prefix_logps.backends import sdpa_kernels
 from shared_prefix_logps.tree.attention import node_mask
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 HEAD_DIM = 8  # the tiny models' head size; the priority probe's own call has 64
-
-
-@pytest.fixture
-def fused_path_on_cpu(monkeypatch):
-    monkeypatch.setattr(expand, "_FUSED_PATH_DEVICES", expand._FUSED_PATH_DEVICES | {"cpu"})
-    sdpa_kernels.clear_cache()
-    yield
-    sdpa_kernels.clear_cache()
-
-
-def aligned_rows(mask: torch.Tensor) -> bool:
-    return mask.stride(-1) == 1 and all(stride % 16 == 0 for stride in mask.stride()[:-1])
 
 
 def spied_tree_pass(monkeypatch, model, ids, mask, score, sdpa=None):

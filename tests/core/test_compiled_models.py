@@ -194,3 +194,27 @@ def test_flex_forward_on_compiled_model():
         dense = compute_logps(model, prompts, comps, backend="dense", **kwargs)
     assert (flex.logps - dense.logps).abs().max().item() <= 1e-5
     assert (flex.entropy - dense.entropy).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("form", ["whole", "layers"])
+def test_tree_entry_points_exact_on_compiled_model(form):
+    """compute_logps_tree and chunked_backward_tree through a compiled model (aot_eager traces the backward, where
+    the routing's gradients were frozen) equal the tree's dense path on the uncompiled model."""
+    from support.trees import pad_rows, random_tree_rows
+
+    from shared_prefix_logps import chunked_backward_tree, compute_logps_tree
+
+    model = build_model("llama")
+    ids, mask, score = pad_rows(random_tree_rows(2, depth=3, branching=2, max_segment=4), 2)
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(7))
+    dense = compute_logps_tree(model, ids, mask, score, backend="dense")
+    expected = grads_of(model, (dense.logps * weights).sum())
+    runner = compiled(model, form, "aot_eager")
+    out = compute_logps_tree(runner, ids, mask, score)
+    tree_grads = grads_of(model, (out.logps * weights).sum())
+    chunked = chunked_backward_tree(runner, ids, mask, score, lambda o, rows: (o.logps * weights[rows]).sum())
+    chunked_grads = collect_grads(model)
+    for got, grads in ((out.logps, tree_grads), (chunked.logps, chunked_grads)):
+        assert (got - dense.logps).abs().max().item() <= 1e-5
+        assert max_relative_grad_error(grads, expected) <= 1e-4
+    assert all(expected[name].norm() > 0 for name, p in model.named_parameters() if p.requires_grad)

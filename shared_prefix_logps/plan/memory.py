@@ -256,6 +256,10 @@ def _dense_like(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _M
     m.add(**acts, **head_after)
     m.add(**acts, **head_backward)
     m.add(**acts, **head_weight_backward, **{"recomputed layer": _recompute(dims, w, tokens)})
+    if method == "dense" and engine.device == "cpu":
+        # The last group's logits stay referenced by the step until it returns, through the end of backward.
+        last_group = w.largest_dense_bucket_rows * (c + 1) * v * s
+        m.add(**_end_of_backward(dims, w, engine), **{"last group's logits": last_group})
     return m
 
 

@@ -36,12 +36,13 @@ def build_model(config: dict, family: str) -> torch.nn.Module:
 def check_grid(
     config: dict, families, methods, *, prompts: int, prompt_lens, completion_len: int, generations, progress=None
 ) -> list[dict]:
-    """Measured (``bench.runner.run_one``) and predicted CPU peak bytes of each method over the grid.
+    """Measured (``bench.runner.run_cell``, no timing repeats) and predicted CPU peak bytes of each method over
+    the grid.
 
     Returns one record per (family, workload, G, P, method): the shape, ``measured``, ``predicted`` and
     ``error`` (predicted / measured - 1).
     """
-    from ..bench.runner import Shape, run_one
+    from ..bench.runner import Shape, run_cell
 
     records = []
     for family in families:
@@ -50,8 +51,8 @@ def check_grid(
         for workload, g, p in itertools.product(("score", "train"), generations, prompt_lens):
             shape = Shape(prompts, p, completion_len, g)
             w = bench_workload(prompts, p, completion_len, g, mode=workload, dtype="fp32")
-            for method in methods:
-                run = run_one(model, method, shape, workload, repeats=0)
+            for run in run_cell(model, methods, shape, workload, repeats=0):
+                method = run["method"]
                 if run["status"] != "ok":
                     raise RuntimeError(f"{method} {workload} G={g} P={p}: {run.get('reason', run['status'])}")
                 predicted = predicted_peak_bytes(method, family_config, w, device="cpu")

@@ -4,8 +4,13 @@ A matmul of (m, k) by (k, n) is 2 m k n FLOPs (``torch.utils.flop_counter`` coun
 the forward (gradients of both operands). Per token and layer the body's projections and gated MLP cost
 2 x (H (h d + g (d + dv)) + h dv H + 3 H I). Attention costs 2 x h x (d + dv) per (query, visible key) pair; the
 counted pairs are what the kernels compute: full rows' causal SDPA is counted by ``FlopCounterMode`` as the whole
-(T x T) square (it does not know about causality), the shared path's Phase 2 as C x (Lp + C) per row. The head is
-2 x H x V per scored token (the dense path computes C + 1 positions per row, TRL's CPU fallback every position).
+(T x T) square (it does not know about causality), the shared path's Phase 2 as C x (Lp + C) per row. ``dense``
+forwards each row's real prompt tokens (no prompt pads) and C completion columns; ``trl`` padded rows of P + C. The
+head is 2 x H x V per scored token (the dense path computes C + 1 positions per row, TRL's CPU fallback every
+position).
+
+These are the FLOPs each method executes; ``bench.flops`` counts the real work a method must do (causal pairs, the
+real completion tokens), for the floors, a different quantity.
 """
 
 from __future__ import annotations
@@ -45,14 +50,18 @@ def count_flops(method: str, dims: ModelDims, w: Workload, *, device: str = "cpu
     """Forward (and with ``train``, backward) FLOPs of ``method`` on ``w``, split into body, attention and head."""
     lp, c, rows = w.prompt_len - 1, w.completion_len, w.rows
     factor = 3 if w.train else 1
-    if method in ("dense", "trl"):
+    if method == "dense":
+        # Rows of their real prompt tokens and C completion columns (no prompt pads, ``bench.methods``); the
+        # square counted per row at the mean real prompt length.
+        tokens = w.dense_row_tokens
+        width = w.real_prompt_tokens / w.prompts + c
+        attention = round(rows * attention_flops(dims, 1, 1) * width * width)
+        head_tokens = rows * (c + 1)
+    elif method == "trl":
         width = w.prompt_len + c
         tokens = rows * width
         attention = rows * attention_flops(dims, width, width)
-        if method == "dense":
-            head_tokens = rows * (c + 1)
-        else:
-            head_tokens = rows * (width - 1) if device == "cpu" else w.scored
+        head_tokens = rows * (width - 1) if device == "cpu" else w.scored
     else:
         tokens = w.prompts * lp + rows * c
         attention = w.prompts * attention_flops(dims, lp, lp) + rows * attention_flops(dims, c, lp + c)

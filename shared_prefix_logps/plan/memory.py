@@ -14,8 +14,9 @@ Saved for backward per token and layer (what a Llama/Qwen layer's autograd graph
     gated MLP       4 I x s         gate, silu(gate), up, their product
 With gradient checkpointing only the layer input (H x s) stays; one layer's terms come back during backward.
 
-Per method (``dense`` and ``trl`` forward R rows of P + C tokens; ``expand``, ``flex`` and ``chunked`` B x Lp prompt
-tokens once and R x C completion tokens):
+Per method (``dense`` forwards R rows of their real prompt tokens and C completion columns, without a padding
+mask, prompts of one real length together; ``trl`` R rows of P + C tokens with their padding mask; ``expand``,
+``flex`` and ``chunked`` B x Lp prompt tokens once and R x C completion tokens):
     dense     logits (R, C + 1, V) x s, float32 (R, C, V) tempered logits and log-probs, their gradients in backward
     trl       TRL's fused head: (min(N, 4096), min(V, 32768)) tiles, N = all R x (P + C - 1) positions where Triton
               is not used (CPU), the scored ones on CUDA; float32 (V, H) weight gradient
@@ -199,6 +200,15 @@ def _dense_like(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _M
     m = _Moments()
     mask = rows * width * width  # transformers' (rows, 1, T, T) boolean padding mask
     if method == "dense":
+        # No prompt pads and no padding mask (``bench.methods``): prompts of one real length are forwarded
+        # together. With gradients every group's activations stay alive; without, one group at a time, the
+        # longest prompt's the largest.
+        mask = 0
+        if w.train:
+            tokens = w.dense_row_tokens
+        else:
+            rows = w.largest_dense_bucket_rows
+            tokens = rows * width
         keep = rows * (c + 1) * v * s
         tempered = rows * c * v * 4
         upcast = tempered if s != 4 else 0
@@ -230,7 +240,10 @@ def _dense_like(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _M
         head_weight_backward = {}
     if not w.train:
         body = tokens * layer_transient_bytes_per_token(dims, s) + (tokens * dims.hidden * s if dims.layers > 1 else 0)
-        m.add(**{"layer transient": body, "attention mask": mask})
+        # dense's groups run shortest prompt first; an earlier group's logits stay referenced until the next
+        # group's forward returns, so the longest prompt's forward runs beside them.
+        grouped = method == "dense" and rows < w.rows
+        m.add(**{"layer transient": body, "attention mask": mask, "previous group's logits": keep if grouped else 0})
         # The decoder's hidden states are gone once the model returns its logits; TRL's head reads them.
         m.add(**head_forward)
         m.add(**head_after)
@@ -243,6 +256,10 @@ def _dense_like(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _M
     m.add(**acts, **head_after)
     m.add(**acts, **head_backward)
     m.add(**acts, **head_weight_backward, **{"recomputed layer": _recompute(dims, w, tokens)})
+    if method == "dense" and engine.device == "cpu":
+        # The last group's logits stay referenced by the step until it returns, through the end of backward.
+        last_group = w.largest_dense_bucket_rows * (c + 1) * v * s
+        m.add(**_end_of_backward(dims, w, engine), **{"last group's logits": last_group})
     return m
 
 

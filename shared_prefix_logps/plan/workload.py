@@ -102,6 +102,24 @@ class Workload:
         return self.rows * (self.prompt_len + self.completion_len)
 
     @property
+    def real_prompt_tokens(self) -> int:
+        """Real tokens of the B distinct prompts: ``prompt_tokens``, or all B x P when it is not given."""
+        return self.prompts * self.prompt_len if self.prompt_tokens is None else self.prompt_tokens
+
+    @property
+    def dense_row_tokens(self) -> int:
+        """Tokens the benchmark's ``dense`` method forwards: each row's real prompt tokens (no prompt pads) and its
+        C completion columns, G x real prompt tokens + B x G x C."""
+        return self.generations * self.real_prompt_tokens + self.rows * self.completion_len
+
+    @property
+    def largest_dense_bucket_rows(self) -> int:
+        """Rows of the largest group ``dense`` forwards at once without gradients: prompts of one real length go
+        together; with fewer real tokens than B x P the prompts' lengths differ (``bench``'s batches: P down to
+        P/2, each length once), so the longest prompt's G rows, else all B x G rows."""
+        return self.generations if self.real_prompt_tokens < self.prompts * self.prompt_len else self.rows
+
+    @property
     def shared_tokens(self) -> int:
         """Tokens the shared-prefix forward computes: B x (P + G x C)."""
         return self.prompts * self.prompt_len + self.rows * self.completion_len

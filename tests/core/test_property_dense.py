@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from support.exactness import max_relative_grad_error, parameter_grads
+from support.exactness import check_grads_or_exact, parameter_grads
 from support.tiny_models import VOCAB, build_model
 
 from shared_prefix_logps import LogpsOutput, chunked_backward, compute_logps, compute_logps_concatenated
@@ -221,26 +221,6 @@ def _check_values(out: LogpsOutput, dense: LogpsOutput, return_entropy: bool) ->
         assert out.entropy is None
 
 
-def _check_grads(grads, expected, exact_grads) -> None:
-    """Every parameter's gradient within GRAD_TOL relative of the dense one, or, failing that, of the exact one.
-
-    Some gradients are zero in exact arithmetic (the query/key projections when all values a query sees are equal:
-    one-token prompts and completions, rows of one repeated token); both float32 paths then return rounding noise
-    (seen up to ~1e-6 of the largest parameter gradient, differing between the paths by more than 10x), whose relative
-    difference means nothing. A parameter that fails the relative check is measured against the dense path in
-    float64 (``exact_grads()``): within GRAD_TOL relative plus GRAD_NOISE times the largest exact gradient.
-    """
-    failing = [name for name, ref in expected.items() if max_relative_grad_error(grads, {name: ref}) > GRAD_TOL]
-    if not failing:
-        return
-    exact = exact_grads()
-    largest = max(ref.norm().item() for ref in exact.values())
-    for name in failing:
-        error = (grads[name].double() - exact[name]).norm().item()
-        allowed = GRAD_TOL * exact[name].norm().item() + GRAD_NOISE * largest
-        assert error <= allowed, f"{name}: {error:.3e} from the float64 gradient (allowed {allowed:.3e})"
-
-
 @contextmanager
 def head_chunk_rows_set_to(rows):
     """The fused head's row chunk set for one example, restored afterwards."""
@@ -367,6 +347,6 @@ def test_gradients_match_dense(entry, batch, temperature, return_entropy, token_
             exact_model = _model(batch.family, torch.float64)
             return parameter_grads(exact_model, _loss(_dense(exact_model, batch, **options), everything, weights))
 
-        _check_grads(grads, expected, exact_grads)
+        check_grads_or_exact(grads, expected, exact_grads, tol=GRAD_TOL, noise=GRAD_NOISE)
     else:
         assert all(g.abs().max() == 0 for g in grads.values())

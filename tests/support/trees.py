@@ -106,3 +106,20 @@ def token_visibility(trie, call, window) -> torch.Tensor:
     itself = (q_node == key_node[None, :]) & (key_order[None, :] <= q_order)
     near = torch.ones_like(ancestor) if window is None else (q_pos - key_pos[None, :]) < window
     return (ancestor | itself) & near
+
+
+def star_batch(leaves: int, seed: int = 0):
+    """(ids, attention_mask, score_mask), unpadded: a 24-token system prompt, 4 prompts of 8 tokens below it, and
+    ``leaves`` rows of 8 more tokens below those, so every path is 40 tokens long whatever the number of leaves."""
+    gen = torch.Generator().manual_seed(seed)
+    system = torch.randint(0, 101, (24,), generator=gen)
+    rows = []
+    for _ in range(4):
+        prompt = torch.randint(0, 101, (8,), generator=gen)
+        for _ in range(leaves // 4):
+            rows.append(torch.cat([system, prompt, torch.randint(0, 101, (8,), generator=gen)]))
+    ids = torch.stack(rows)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    score = mask.clone()
+    score[:, 0] = False
+    return ids, mask, score

@@ -4,7 +4,7 @@ import pytest
 import torch
 from support.exactness import max_relative_grad_error
 from support.tiny_models import build_model
-from support.trees import pad_rows, random_tree_rows
+from support.trees import pad_rows, random_tree_rows, star_batch
 
 from shared_prefix_logps import chunked_backward_tree, compute_logps_tree
 from shared_prefix_logps.bench.memory import LiveTensorBytes
@@ -75,23 +75,6 @@ def test_nothing_scored_leaves_zero_grads():
     assert all(g is not None and (g == 0).all() for g in grads)  # as autograd of the one graph gives
 
 
-def _star_batch(leaves: int, seed: int = 0):
-    """A 24-token system prompt, 4 prompts of 8 tokens below it, ``leaves`` rows of 8 more tokens: every path 40
-    tokens long whatever the number of leaves."""
-    gen = torch.Generator().manual_seed(seed)
-    system = torch.randint(0, 101, (24,), generator=gen)
-    rows = []
-    for _ in range(4):
-        prompt = torch.randint(0, 101, (8,), generator=gen)
-        for _ in range(leaves // 4):
-            rows.append(torch.cat([system, prompt, torch.randint(0, 101, (8,), generator=gen)]))
-    ids = torch.stack(rows)
-    mask = torch.ones_like(ids, dtype=torch.bool)
-    score = mask.clone()
-    score[:, 0] = False
-    return ids, mask, score
-
-
 def _peak_bytes(model, ids, mask, score, rows_per_chunk):
     tracker = LiveTensorBytes()
     with tracker:
@@ -104,7 +87,7 @@ def test_peak_memory_is_flat_in_leaves():
     """Live tensor bytes (CPU) of one path at a time: 4 leaves vs 64 within 1.15x. Taking every row in one chunk
     (all paths alive) grows with the leaves, which shows the measurement sees the activations."""
     model = build_model("llama", hidden=256)
-    small, large = _star_batch(4), _star_batch(64)
+    small, large = star_batch(4), star_batch(64)
     chunked_backward_tree(model, *small, lambda out, rows: out.logps.sum())  # head check outside the measurement
     model.zero_grad(set_to_none=True)
     peak_small = _peak_bytes(model, *small, rows_per_chunk=1)

@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from support.exactness import max_relative_grad_error
+from support.exactness import check_grads_or_exact
 from support.tiny_models import build_model
 
 from shared_prefix_logps import chunked_backward_tree, compute_logps_tree
@@ -39,21 +39,6 @@ def _model(family, dtype=torch.float32):
         # The float64 copy holds the float32 model's values exactly.
         _MODELS[key] = build_model(family) if dtype == torch.float32 else copy.deepcopy(_model(family)).to(dtype)
     return _MODELS[key]
-
-
-def _check_grads(grads, reference, exact_grads):
-    """Every parameter gradient within GRAD_TOL relative of the float32 dense one; where that fails (a gradient that
-    is zero in exact arithmetic, e.g. the query/key projections when every query sees one key, is rounding noise in
-    both paths) against the float64 dense gradient: GRAD_TOL relative plus GRAD_NOISE of the largest gradient."""
-    failing = [name for name, ref in reference.items() if max_relative_grad_error(grads, {name: ref}) > GRAD_TOL]
-    if not failing:
-        return
-    exact = exact_grads()
-    largest = max(ref.norm().item() for ref in exact.values())
-    for name in failing:
-        error = (grads[name].double() - exact[name]).norm().item()
-        allowed = GRAD_TOL * exact[name].norm().item() + GRAD_NOISE * largest
-        assert error <= allowed, f"{name}: {error:.3e} from the float64 gradient (allowed {allowed:.3e})"
 
 
 @st.composite
@@ -119,6 +104,6 @@ def test_tree_matches_dense(batch, family, temperature, route, budget, rows_per_
             found = torch.autograd.grad(loss, params, allow_unused=True)
             return {n: torch.zeros_like(p) if g is None else g for (n, p), g in zip(double.named_parameters(), found)}
 
-        _check_grads(grads, reference, exact_grads)
+        check_grads_or_exact(grads, reference, exact_grads, tol=GRAD_TOL, noise=GRAD_NOISE)
     assert (out.logps - dense.logps).abs().max().item() < 1e-5
     assert (out.entropy - dense.entropy).abs().max().item() < 1e-5

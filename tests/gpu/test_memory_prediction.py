@@ -13,7 +13,7 @@ from support.gpu_models import peak_memory_model
 from support.memory_prediction import ModelShape, align16, predicted_peak_bytes
 
 from shared_prefix_logps import chunked_backward, compute_logps
-from shared_prefix_logps.backends import expand, sdpa_kernels
+from shared_prefix_logps.backends import sdpa_kernels
 from shared_prefix_logps.bench.memory import peak_memory
 from shared_prefix_logps.kernels.fused_head import default_chunk_size
 
@@ -39,8 +39,8 @@ def small_deep_qwen2():
 
 
 @pytest.mark.parametrize("mode", ["score", "train", "chunked"])
+@pytest.mark.usefixtures("fused_path_on_cpu")  # the code path CUDA takes
 def test_expand_live_bytes_within_the_prediction(mode, monkeypatch):
-    monkeypatch.setattr(expand, "_FUSED_PATH_DEVICES", {"cuda", "cpu"})  # the code path CUDA takes
     # The kernel the prediction assumes: a fused one that takes the mask but not grouped heads (torch 2.11's efficient
     # kernel on CUDA; on CPU the flash kernel stands in for it, with the same memory: no scores materialized).
     monkeypatch.setattr(
@@ -48,7 +48,6 @@ def test_expand_live_bytes_within_the_prediction(mode, monkeypatch):
         "accepts",
         lambda kernel, query, key, *rest: kernel == "FLASH_ATTENTION" and key.shape[1] == query.shape[1],
     )
-    sdpa_kernels.clear_cache()
     monkeypatch.setattr(sdpa_kernels, "_PRIORITY", {("cpu", None): ("FLASH_ATTENTION", "MATH")})
     model = small_deep_qwen2()
     gen = torch.Generator().manual_seed(0)

@@ -195,25 +195,76 @@ def _progress(total: int):
     return update
 
 
-def main(argv=None) -> int:
-    """Entry point of the ``shared-prefix-logps`` command."""
+def package_version() -> str:
+    """The installed distribution's version, or the package's own where it is not installed (a bare checkout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shared-prefix-logps")
+    except PackageNotFoundError:
+        import shared_prefix_logps
+
+        return shared_prefix_logps.__version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``shared-prefix-logps`` parser with its ``bench``, ``demo`` and ``plan`` subcommands."""
     from .presets import PRESETS
 
-    parser = argparse.ArgumentParser(prog="shared-prefix-logps", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    bench = sub.add_parser("bench", help="benchmark methods side by side on GRPO-shaped batches")
+    parser = argparse.ArgumentParser(
+        prog="shared-prefix-logps",
+        description="Benchmark, demo and memory planner of shared-prefix-logps (per-token log-probs of G completions "
+        "per prompt, each prompt forwarded once).",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,demo,plan}")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark methods side by side on GRPO-shaped batches",
+        description="Time, peak memory, agreement with dense, token counts and floors of each method on GRPO-shaped "
+        "batches (B prompts x G completions); one record per method, shape and workload.",
+    )
     cuda = torch.cuda.is_available()
-    bench.add_argument("--preset", default="qwen2.5-1.5b" if cuda else "tiny", choices=sorted(PRESETS))
+    bench.add_argument(
+        "--preset",
+        default="qwen2.5-1.5b" if cuda else "tiny",
+        choices=sorted(PRESETS),
+        help="model shape, built from a config with random weights (default: %(default)s)",
+    )
     bench.add_argument("--layers", type=int, default=None, help="override the preset's depth")
-    bench.add_argument("--prompts", type=int, default=2, help="B, prompts per batch")
-    bench.add_argument("--prompt-len", type=int, nargs="+", default=[1024 if cuda else 64])
-    bench.add_argument("--completion-len", type=int, nargs="+", default=[256 if cuda else 16])
-    bench.add_argument("--generations", type=int, nargs="+", default=[8])
-    bench.add_argument("--methods", default="dense,trl,kv_expand,prefix_grouper,liger,expand,flex,chunked")
-    bench.add_argument("--workloads", default="score,train")
-    bench.add_argument("--repeats", type=int, default=3)
-    bench.add_argument("--device", default="cuda" if cuda else "cpu")
-    bench.add_argument("--dtype", choices=["bf16", "fp32"], default=None)
+    bench.add_argument("--prompts", type=int, default=2, help="B, prompts per batch (default: %(default)s)")
+    bench.add_argument(
+        "--prompt-len",
+        type=int,
+        nargs="+",
+        default=[1024 if cuda else 64],
+        help="P, the longest prompt's real tokens; several values sweep (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--completion-len",
+        type=int,
+        nargs="+",
+        default=[256 if cuda else 16],
+        help="C, completion width (C/2..C real tokens each); several values sweep (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--generations", type=int, nargs="+", default=[8], help="G, completions per prompt; several values sweep"
+    )
+    bench.add_argument(
+        "--methods",
+        default="dense,trl,kv_expand,prefix_grouper,liger,expand,flex,chunked",
+        help="comma-separated methods to run (also flash); default: %(default)s",
+    )
+    bench.add_argument(
+        "--workloads",
+        default="score,train",
+        help="score (no-grad log-probs) and/or train (forward + backward), comma-separated",
+    )
+    bench.add_argument("--repeats", type=int, default=3, help="timed repeats per method; the median is kept")
+    bench.add_argument("--device", default="cuda" if cuda else "cpu", help="cuda or cpu (default: %(default)s)")
+    bench.add_argument(
+        "--dtype", choices=["bf16", "fp32"], default=None, help="model dtype (default: bf16 on CUDA, fp32 on CPU)"
+    )
     bench.add_argument(
         "--threads", type=int, default=None, help="CPU threads (default: 1 on CPU, torch's with CUDA; 0: torch's)"
     )
@@ -222,19 +273,42 @@ def main(argv=None) -> int:
     bench.add_argument(
         "--max-generations", action="store_true", help="also find the largest G that fits per method (train)"
     )
-    demo = sub.add_parser("demo", help="the CPU/GPU demo (same as python -m shared_prefix_logps.bench.demo)")
-    demo.add_argument("rest", nargs=argparse.REMAINDER)
+    demo = sub.add_parser(
+        "demo",
+        help="the CPU/GPU demo (same as python -m shared_prefix_logps.bench.demo)",
+        description="Shared vs dense log-probs on a random model: tokens, time, memory. Options after `demo` go to "
+        "the demo itself: `shared-prefix-logps demo --help` lists them.",
+        add_help=False,
+    )
+    demo.add_argument("rest", nargs=argparse.REMAINDER, help="the demo's own options (--help lists them)")
     from ..plan import cli as plan_cli
 
-    plan_cli.add_arguments(sub.add_parser("plan", help="predicted peak memory and FLOPs of every method"))
+    plan_cli.add_arguments(
+        sub.add_parser(
+            "plan",
+            help="predicted peak memory and FLOPs of every method",
+            description="Predicted peak memory per device (with its largest terms), whether it fits, FLOPs, token and "
+            "FLOP floors, the largest G that fits and chunked_backward's generations_per_chunk; nothing is run.",
+        )
+    )
+    return parser
+
+
+def main(argv=None) -> int:
+    """Entry point of the ``shared-prefix-logps`` command."""
+    from ..plan import cli as plan_cli
+
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["demo"]:
+        # argparse's REMAINDER does not take option-like words, so the demo's options bypass this parser.
+        from .demo import main as demo_main
+
+        demo_main(argv[1:])
+        return 0
     args = parser.parse_args(argv)
     if args.command == "plan":
         return plan_cli.run(args)
-    if args.command == "demo":
-        from .demo import main as demo_main
-
-        demo_main(args.rest)
-        return 0
     return _bench(args)
 
 

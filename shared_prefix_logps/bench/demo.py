@@ -53,20 +53,37 @@ def _peak(model, batch, backend, device):
     return mem["peak_bytes"]
 
 
-def main(argv=None) -> dict:
-    """Run the demo; returns the figures it printed."""
+def build_parser() -> argparse.ArgumentParser:
+    """The demo's options (``make demo``, ``shared-prefix-logps demo``)."""
     cuda = torch.cuda.is_available()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="qwen2.5-0.5b" if cuda else "tiny", choices=sorted(PRESETS))
-    parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--generations", type=int, default=8)
-    parser.add_argument("--prompt-len", type=int, default=1024 if cuda else 256)
-    parser.add_argument("--completion-len", type=int, default=128 if cuda else 32)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    parser = argparse.ArgumentParser(prog="shared-prefix-logps demo", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--preset",
+        default="qwen2.5-0.5b" if cuda else "tiny",
+        choices=sorted(PRESETS),
+        help="model shape, built from a config with random weights (default: %(default)s)",
+    )
+    parser.add_argument("--prompts", type=int, default=4, help="B, prompts per batch (default: %(default)s)")
+    parser.add_argument("--generations", type=int, default=8, help="G, completions per prompt (default: %(default)s)")
+    parser.add_argument(
+        "--prompt-len", type=int, default=1024 if cuda else 256, help="P, the longest prompt (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--completion-len", type=int, default=128 if cuda else 32, help="C, completion width (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed repeats; the median is kept (default: %(default)s)"
+    )
+    parser.add_argument("--device", default="cuda" if cuda else "cpu", help="cuda or cpu (default: %(default)s)")
     parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads (default: 1 on CPU, torch's with CUDA; 0: torch's)"
     )
+    return parser
+
+
+def main(argv=None) -> dict:
+    """Run the demo; returns the figures it printed."""
+    parser = build_parser()
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     try:

@@ -16,23 +16,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``plan`` subcommand's options (the workload options mean what they mean to ``bench``)."""
     parser.add_argument("--model", required=True, help="a bench preset or a config.json path (or its directory)")
     parser.add_argument("--layers", type=int, default=None, help="override the model's depth")
-    parser.add_argument("--prompts", type=int, default=2, help="B, prompts per batch")
+    parser.add_argument(
+        "--prompts", type=int, default=2, help="B, prompts per batch, per device (default: %(default)s)"
+    )
     parser.add_argument("--prompt-len", type=int, required=True, help="P, padded prompt width")
     parser.add_argument("--completion-len", type=int, required=True, help="C, padded completion width")
     parser.add_argument("--generations", type=int, required=True, help="G, completions per prompt")
-    parser.add_argument("--workload", default="train", help="score (no gradients) or train")
-    parser.add_argument("--dtype", default="bf16", help=f"one of {', '.join(DTYPE_BYTES)}")
-    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--workload", default="train", help="score (no gradients) or train (default: %(default)s)")
+    parser.add_argument("--dtype", default="bf16", help=f"one of {', '.join(DTYPE_BYTES)} (default: %(default)s)")
+    parser.add_argument(
+        "--gradient-checkpointing", action="store_true", help="activation checkpointing of every decoder layer"
+    )
     parser.add_argument("--lora-fraction", type=float, default=None, help="trainable share of parameters (LoRA)")
-    parser.add_argument("--optimizer", default="adamw", help="adamw or sgd")
+    parser.add_argument("--optimizer", default="adamw", help="adamw or sgd (default: %(default)s)")
     parser.add_argument(
         "--generations-per-chunk", type=int, default=None, help="chunked_backward's chunk (default: G // 4)"
     )
-    parser.add_argument("--gpus", type=int, default=1, help="world size of the engine")
+    parser.add_argument("--gpus", type=int, default=1, help="world size of the engine (default: %(default)s)")
     parser.add_argument("--gpu-memory", default="80GB", help="memory of one device, e.g. 80GB or 141GB")
-    parser.add_argument("--engine", default=None, help=f"one of {', '.join(ENGINES)} (default: single for one GPU)")
+    parser.add_argument(
+        "--engine", default=None, help=f"one of {', '.join(ENGINES)} (default: single for one GPU, fsdp2 for several)"
+    )
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for what `bench --device cpu` measures")
-    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument(
+        "--methods", default=",".join(METHODS), help="comma-separated methods to plan (default: %(default)s)"
+    )
     parser.add_argument("--max-generations", action="store_true", help="also the largest power-of-two G that fits")
     parser.add_argument("--json", action="store_true", help="one JSON record per method instead of a table")
 

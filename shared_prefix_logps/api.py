@@ -38,8 +38,8 @@ def compute_logps(
     backend); gradients flow into the prompt through the keys/values its completions share.
 
     Args:
-        model: a transformers decoder-only causal LM (Llama, Mistral, Qwen2, Qwen3, Gemma2, Phi3), optionally
-            wrapped by PEFT or DDP. Called through its own forward, twice (prompts, then completions).
+        model: a transformers decoder-only causal LM of a supported family (docs/models.md), optionally
+            wrapped by PEFT, DDP, FSDP or DeepSpeed. Called through its own forward, twice (prompts, then completions).
         prompts: (B, P) int64 ids, left-padded as described by ``prompt_mask``, or a list of B token-id lists.
         completions: (B*G, C) int64 ids, right-padded as described by ``completion_mask``, or a list of B*G
             token-id lists. Rows g*G .. g*G+G-1 continue prompt g; G = len(completions) // len(prompts).

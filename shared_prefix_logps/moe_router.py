@@ -54,9 +54,11 @@ class RouterStats:
         return (counts.sum(0) / total * (probs.sum(0) / total)).sum() * self.num_experts
 
     def select(self, rows: torch.Tensor) -> RouterStats:
+        """The statistics of ``rows`` ((n,) int64 indices or a (rows,) bool mask) only, in that order."""
         return RouterStats(self.counts[rows], self.probs[rows], self.tokens[rows], self.num_experts)
 
     def detach(self) -> RouterStats:
+        """The same statistics with ``probs`` detached from the graph."""
         return RouterStats(self.counts, self.probs.detach(), self.tokens, self.num_experts)
 
 

@@ -32,6 +32,7 @@ _PG_BASE_KWARG = "spl_bench_pg_base"
 
 
 def prefix_grouper_available() -> bool:
+    """Whether PrefixGrouper and its transformers attention registration import here."""
     try:
         import prefix_grouper  # noqa: F401
         from prefix_grouper.utils.register_transformers import register_attention  # noqa: F401
@@ -41,6 +42,7 @@ def prefix_grouper_available() -> bool:
 
 
 def liger_available() -> bool:
+    """Whether Liger-Kernel's fused-linear PPO loss imports here."""
     try:
         from liger_kernel.chunked_loss.fused_linear_ppo import LigerFusedLinearPPOBase  # noqa: F401
     except ImportError:

@@ -70,6 +70,7 @@ def markdown_table(records: list[dict]) -> str:
 
 
 def write_json(records: list[dict], path: Path, meta: dict) -> None:
+    """Write ``{"meta": meta, "records": records}`` to ``path``, the file ``tests/bench/test_results.py`` reads."""
     path.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
 
 

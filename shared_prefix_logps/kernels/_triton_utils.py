@@ -21,6 +21,7 @@ _TRUE = {"1", "true", "yes", "on"}
 
 @functools.cache
 def triton_importable() -> bool:
+    """Whether ``triton`` and ``triton.language`` import (a broken install counts as not importable)."""
     try:
         import triton  # noqa: F401
         import triton.language  # noqa: F401
@@ -52,6 +53,7 @@ def device_guard(tensor: torch.Tensor):
 
 
 def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
     return 1 << max(int(n) - 1, 0).bit_length()
 
 

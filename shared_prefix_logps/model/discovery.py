@@ -178,6 +178,11 @@ def _longrope_original_length(config, layer_type: str | None) -> int:
 
 
 def head_spec(causal_lm) -> HeadSpec:
+    """The lm_head to fuse and the logit scale and final softcap the model applies after it.
+
+    Raises:
+        UnsupportedModelError: for a head without a 2-D weight, or a ``logit_scale`` tensor that is not one constant.
+    """
     lm_head = causal_lm.get_output_embeddings()
     # An nn.Linear head has a 2-D weight by construction (sharding wrappers may show it flattened outside a forward;
     # inside, effective_head reads the real one). Anything else must show a 2-D weight here.

@@ -14,6 +14,14 @@ from ..forward.context import CaptureContext, SharedContext, active_context
 
 
 def install_attention(causal_lm) -> None:
+    """Route ``causal_lm``'s attention through the library's registry entries: calls with a phase context take the
+    shared-prefix path, every other call the model's own implementation (its name kept, or an eager model switched
+    to a name that encodes ``eager``).
+
+    Raises:
+        UnsupportedModelError: for models that do not route attention through ``AttentionInterface``, ``sdpa`` with
+            an attention softcap, or an implementation that is not a registry entry.
+    """
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS

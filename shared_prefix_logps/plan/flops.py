@@ -29,6 +29,7 @@ class FlopCount:
 
     @property
     def total(self) -> int:
+        """FLOPs of all parts together."""
         return sum(self.parts.values())
 
 

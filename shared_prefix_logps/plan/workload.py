@@ -85,10 +85,12 @@ class Workload:
 
     @property
     def train(self) -> bool:
+        """Whether the step computes gradients (``mode="train"``)."""
         return self.mode == "train"
 
     @property
     def itemsize(self) -> int:
+        """Bytes per element of ``dtype``."""
         return DTYPE_BYTES[self.dtype]
 
     @property

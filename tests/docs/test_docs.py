@@ -148,6 +148,14 @@ def test_readme_is_short():
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move details to docs/"
 
 
+def test_readme_opens_with_the_two_commands_and_links_every_page():
+    text = (ROOT / "README.md").read_text()
+    first_block = text.split("```")[1]
+    assert "make demo" in first_block and "make test" in first_block, first_block
+    linked = {(ROOT / target.partition("#")[0]).resolve() for target in LINK.findall(text)}
+    assert not [_relative(page) for page in DOCS if page not in linked], "README.md does not link every docs page"
+
+
 # docs/api.md: one `## heading` per public module, one `### \`name\`` section per public name.
 API_MODULES = {
     "shared_prefix_logps": "Core",

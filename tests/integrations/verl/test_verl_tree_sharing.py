@@ -179,6 +179,27 @@ def test_prompts_sharing_too_little_take_the_one_level_path(engines, tree_calls)
     assert vs.gradient_error(our_grads, their_grads) < 1e-4
 
 
+def test_bf16_mixed_precision(process_group, tmp_path, tree_calls):
+    """verl's default mixed precision (bf16 parameters and autocast): the tree pass serves both micro-batches, and its
+    log-probs are as close to a float32 engine's as verl's own bf16 log-probs are."""
+    from shared_prefix_logps.integrations.verl import unpatch_verl_engine
+
+    path = vs.save_model(tmp_path, "qwen2")
+    bf16 = dict(mixed_precision={"param_dtype": "bf16", "reduce_dtype": "fp32", "buffer_dtype": "fp32"})
+    ours, theirs = (vs.build_engine(path, micro_batch_size=MICRO_BATCH, **bf16) for _ in range(2))
+    reference = vs.build_engine(path, micro_batch_size=MICRO_BATCH)
+    for engine in (theirs, reference):
+        unpatch_verl_engine(engine)
+    logps = {}
+    for name, engine in (("ours", ours), ("verl", theirs), ("fp32", reference)):
+        td = system_batch(engine, seed=5)
+        logps[name] = response(vs.infer(engine, td)["model_output"]["log_probs"], td).float()
+    assert tree_calls == [MICRO_BATCH, MICRO_BATCH]
+    our_error = (logps["ours"] - logps["fp32"]).abs().max().item()
+    verl_error = (logps["verl"] - logps["fp32"]).abs().max().item()
+    assert 0 < our_error <= 1.5 * verl_error + 1e-2, (our_error, verl_error)
+
+
 def _fsdp_worker(rank, port, path, results):
     """Process 0's prompts share a system prompt, process 1's do not: their no-grad micro-batches make different
     numbers of forwards (one per trie depth, or the two phases), which the plug-in joins. With gradients the tree pass

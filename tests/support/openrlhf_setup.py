@@ -101,20 +101,33 @@ def make_actor(*, family: str = "llama", seed: int = 0, temperature: float = 1.0
     return actor
 
 
-def openrlhf_rows(num_prompts: int, generations: int, *, seed: int = 0, left_pad: bool = False, multi_turn=False):
+def openrlhf_rows(
+    num_prompts: int,
+    generations: int,
+    *,
+    seed: int = 0,
+    left_pad: bool = False,
+    multi_turn=False,
+    system_prompt: int = 0,
+):
     """A batch as OpenRLHF >= 0.10 builds it: each row ``[prompt | response]`` unpadded, rows right-padded to one
     length S; ``action_mask`` (B, S - 1) in OpenRLHF's shifted layout (entry t marks token t + 1 as an action).
 
     Prompts of different lengths (3..7 tokens), G responses per prompt (1..6 tokens), one response per batch of a
     single token. ``left_pad``: rows left-padded instead (older OpenRLHF). ``multi_turn``: the first row of each group
-    has an observation (3 tokens, not actions) inside its response, as in agent runs.
+    has an observation (3 tokens, not actions) inside its response, as in agent runs. ``system_prompt > 0``: every
+    prompt starts with the same ``system_prompt`` tokens, as chat templates with one system message make them.
 
     Returns (sequences (B, S) int64, attention_mask (B, S) int64, action_mask (B, S - 1) int64).
     """
     gen = torch.Generator().manual_seed(seed)
     rows = []
+    system = (
+        torch.randint(1, VOCAB, (system_prompt,), generator=gen) if system_prompt else torch.zeros(0, dtype=torch.long)
+    )
     for _ in range(num_prompts):
         prompt = torch.randint(1, VOCAB, (int(torch.randint(3, 8, (1,), generator=gen)),), generator=gen)
+        prompt = torch.cat([system, prompt])
         for g in range(generations):
             response = torch.randint(1, VOCAB, (int(torch.randint(1, 7, (1,), generator=gen)),), generator=gen)
             action = torch.ones_like(response)
@@ -135,3 +148,15 @@ def openrlhf_rows(num_prompts: int, generations: int, *, seed: int = 0, left_pad
         attention[i, start : start + tokens.numel()] = 1
         actions[i, start + prompt.numel() : start + tokens.numel()] = action
     return sequences, attention, actions[:, 1:]
+
+
+def grpo_loss(actor, sequences, attention, actions, old, advantages):
+    """OpenRLHF's GRPO loss on one micro-batch with its own ``PolicyLoss`` (PPO clip 0.2/0.28, token-mean) and an
+    entropy term (coefficient 0.01): the action log-probs (B, S - 1) float32 and the scalar loss, both differentiable.
+    """
+    models = import_openrlhf()
+    loss_fn = models.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, token_level_loss=True, policy_loss_type="ppo")
+    log_probs, output = actor(sequences, actions, attention, return_output=True, return_entropy=True)
+    loss = loss_fn(log_probs, old, advantages, action_mask=actions)[0]
+    entropy = models.aggregate_loss(output.entropy[:, -actions.shape[1] :], actions)
+    return log_probs, loss - 0.01 * entropy

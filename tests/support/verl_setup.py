@@ -203,6 +203,7 @@ def rollout_batch(
     temperature=0.7,
     tool_tokens: bool = True,
     prompt_padding: str = "left",
+    system_prompt: int = 0,
 ):
     """A rollout batch in the layout verl's trainer hands its workers (``left_right_2_no_padding`` applied).
 
@@ -211,6 +212,8 @@ def rollout_batch(
     ``generations`` times (rows in groups, or shuffled). ``response_mask`` zeroes a token inside some responses, as
     multi-turn tool output does. Old and reference log-probs and advantages are random. ``prompt_padding="right"``
     pads prompts on the right instead (not a layout verl's rollout produces; verl's own step handles it).
+    ``system_prompt > 0`` starts every prompt with the same ``system_prompt`` tokens (the prompts' widths grow by as
+    much), as chat templates with one system message do.
     """
     from tensordict import TensorDict
     from verl.workers.utils.padding import left_right_2_no_padding
@@ -223,6 +226,12 @@ def rollout_batch(
         prompt_lens[2] = 1
     prompt_mask = torch.arange(prompt_len)[None, :] >= (prompt_len - prompt_lens)[:, None]
     prompts = torch.randint(1, vocab, (num_prompts, prompt_len), generator=gen).masked_fill(~prompt_mask, 0)
+    if system_prompt:
+        system = torch.randint(1, vocab, (system_prompt,), generator=gen)
+        prompts, prompt_mask = left_aligned(
+            torch.cat([system.expand(num_prompts, -1), prompts], dim=1),
+            torch.cat([torch.ones(num_prompts, system_prompt, dtype=torch.bool), prompt_mask], dim=1),
+        )
     if prompt_padding == "right":
         prompts, prompt_mask = right_aligned(prompts, prompt_mask)
     prompts, prompt_mask = prompts.repeat_interleave(generations, 0), prompt_mask.repeat_interleave(generations, 0)
@@ -267,6 +276,12 @@ def nested_layout(td):
         td[key] = torch.nested.as_nested_tensor(rows, layout=torch.jagged)
     del td["attention_mask"]
     return td
+
+
+def left_aligned(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, P) rows with their valid tokens moved, in order, to the end of the row (left padding)."""
+    order = torch.argsort(mask.to(torch.int8), dim=1, stable=True)  # padding first, then valid positions in order
+    return ids.gather(1, order), mask.gather(1, order)
 
 
 def right_aligned(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -334,6 +349,33 @@ def full_gradients(engine) -> dict[str, torch.Tensor]:
             continue
         out[name] = (grad.full_tensor() if isinstance(grad, DTensor) else grad).detach().clone()
     return out
+
+
+def infer(engine, td):
+    """``infer_batch`` in the engine's eval mode, as verl's workers compute old and reference log-probs."""
+    with engine.eval_mode():
+        return engine.infer_batch(td)
+
+
+def forward_backward(engine, td, loss_fn):
+    """One mini-batch's forward and backward (no optimizer step): verl's output (the loss per micro-batch, the
+    metrics) and the full gradients, read before the train-mode context zeroes them."""
+    with engine.train_mode():
+        out = engine.forward_backward_batch(td, loss_function=loss_fn, forward_only=False)
+        grads = full_gradients(engine)
+    return out, grads
+
+
+def gradient_error(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
+    """The largest ``max |ours - theirs|`` of a parameter's gradient relative to ``max |theirs|`` of that parameter.
+    Every parameter of ``theirs`` must have a nonzero gradient (each takes part in the loss), or the relative error
+    means nothing."""
+    worst = 0.0
+    for name, grad in theirs.items():
+        scale = grad.abs().max().item()
+        assert scale > 0, f"{name} got no gradient"
+        worst = max(worst, (ours[name] - grad).abs().max().item() / scale)
+    return worst
 
 
 class TokenCounter:

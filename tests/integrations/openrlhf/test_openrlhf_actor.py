@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (make test-openrlhf)")
 import torch
-from support.openrlhf_setup import import_openrlhf, make_actor, openrlhf_rows
+from support.openrlhf_setup import grpo_loss, make_actor, openrlhf_rows
 
 from shared_prefix_logps.integrations.openrlhf import get_patch, patch_actor, unpatch_actor
 
@@ -50,13 +50,8 @@ def test_no_grad_log_probs_match_openrlhf(layout):
 
 
 def _grpo_step(actor, sequences, attention, actions, old, advantages, optimizer):
-    """OpenRLHF's training step on one micro-batch with GRPO settings (PPO clip 0.2/0.28, token-mean, entropy term)."""
-    models = import_openrlhf()
-    loss_fn = models.PolicyLoss(clip_eps_low=0.2, clip_eps_high=0.28, token_level_loss=True, policy_loss_type="ppo")
-    log_probs, output = actor(sequences, actions, attention, return_output=True, return_entropy=True)
-    loss = loss_fn(log_probs, old, advantages, action_mask=actions)[0]
-    entropy = models.aggregate_loss(output.entropy[:, -actions.shape[1] :], actions)
-    total = loss - 0.01 * entropy
+    """OpenRLHF's training step on one micro-batch with GRPO settings (:func:`grpo_loss`)."""
+    log_probs, total = grpo_loss(actor, sequences, attention, actions, old, advantages)
     optimizer.zero_grad()
     total.backward()
     grads = {name: p.grad.clone() for name, p in actor.named_parameters() if p.grad is not None}

@@ -25,31 +25,18 @@ def engines(process_group, tmp_path_factory):
     return patched, unpatched
 
 
-def forward_backward(engine, td, loss_fn):
-    """One mini-batch's forward and backward (no optimizer step); the loss per micro-batch, the metrics and the full
-    gradients (read before the train-mode context zeroes them)."""
-    with engine.train_mode():
-        out = engine.forward_backward_batch(td, loss_function=loss_fn, forward_only=False)
-        grads = vs.full_gradients(engine)
-    return out, grads
-
-
 def compare(engines, loss_fn, *, remove_padding=True, calculate_entropy=True, micro_batches=4, **batch):
     results = []
     for engine in engines:
         td = vs.batch_options(engine, vs.rollout_batch(**batch), infer=False, calculate_entropy=calculate_entropy)
         vs.assign(td, use_remove_padding=remove_padding)
-        results.append(forward_backward(engine, td, loss_fn))
+        results.append(vs.forward_backward(engine, td, loss_fn))
     (ours, our_grads), (theirs, their_grads) = results
     assert len(ours["loss"]) == len(theirs["loss"]) == micro_batches  # 12 rows in micro-batches of 3 by default
     losses = torch.tensor(ours["loss"], dtype=torch.float64), torch.tensor(theirs["loss"], dtype=torch.float64)
     assert torch.allclose(*losses, rtol=1e-5, atol=1e-7), losses
     vs.assert_metrics_close(ours["metrics"], theirs["metrics"])
-    worst = 0.0
-    for name, grad in their_grads.items():
-        scale = grad.abs().max().item()
-        assert scale > 0, f"{name} got no gradient"  # every parameter takes part in the loss
-        worst = max(worst, (our_grads[name] - grad).abs().max().item() / scale)
+    worst = vs.gradient_error(our_grads, their_grads)
     assert worst < 1e-4, worst
     return worst
 

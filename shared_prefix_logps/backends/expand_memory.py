@@ -95,26 +95,36 @@ class AttentionShape:
         return self.sliding_window is not None and self.sliding_window < keys
 
 
+def mask_bytes(queries: int, keys: int, itemsize: int) -> int:
+    """Bytes of one additive mask of ``queries`` x ``keys``: its key dim is allocated rounded up to
+    :data:`MASK_ALIGNMENT` (``backends.expand.empty_additive_mask``)."""
+    return queries * padded_width(keys) * itemsize
+
+
+def kv_bytes(shape: AttentionShape, heads: int, keys: int) -> int:
+    """Bytes of the keys and values of ``heads`` heads over ``keys`` positions (one row, one layer)."""
+    return heads * keys * (shape.head_dim + shape.v_head_dim) * shape.itemsize
+
+
 def prompt_bytes(shape: AttentionShape, prefix_len: int, *, masked: bool, repeats_kv: bool) -> int:
     """Bytes one prompt adds to a Phase 1 layer beyond its hidden states (see the module docstring)."""
-    s = shape.itemsize
-    total = prefix_len * padded_width(prefix_len) * s if masked else 0
+    total = mask_bytes(prefix_len, prefix_len, shape.itemsize) if masked else 0
     if repeats_kv:
-        total += shape.heads * prefix_len * (shape.head_dim + shape.v_head_dim) * s
+        total += kv_bytes(shape, shape.heads, prefix_len)
     if shape.explicit_scores:
-        total += scores_bytes(shape.heads, prefix_len, prefix_len, s)
+        total += scores_bytes(shape.heads, prefix_len, prefix_len, shape.itemsize)
     return total
 
 
 def row_bytes(shape: AttentionShape, prefix_len: int, completion_len: int, *, masked: bool, repeats_kv: bool) -> int:
     """Bytes one completion row adds to a Phase 2 layer beyond its hidden states (see the module docstring)."""
-    s, keys = shape.itemsize, prefix_len + completion_len
-    total = completion_len * padded_width(keys) * s if masked else 0
-    total += shape.kv_heads * keys * (shape.head_dim + shape.v_head_dim) * s
+    keys = prefix_len + completion_len
+    total = mask_bytes(completion_len, keys, shape.itemsize) if masked else 0
+    total += kv_bytes(shape, shape.kv_heads, keys)
     if repeats_kv:
-        total += shape.heads * keys * (shape.head_dim + shape.v_head_dim) * s
+        total += kv_bytes(shape, shape.heads, keys)
     if shape.explicit_scores:
-        total += scores_bytes(shape.heads, completion_len, keys, s)
+        total += scores_bytes(shape.heads, completion_len, keys, shape.itemsize)
     return total
 
 

@@ -61,17 +61,25 @@ MODEL_STATE_TERMS = ("parameters", "optimizer states", "unsharded layer")
 
 
 def predicted_peak_bytes(
-    method: str, model, workload: Workload, *, device: str = "cuda", layers=None, step_only: bool = False
+    method: str,
+    model,
+    workload: Workload,
+    *,
+    device: str = "cuda",
+    layers=None,
+    step_only: bool = False,
+    head_implementation: str | None = None,
 ) -> int:
     """Predicted peak bytes of one ``method`` step on one device.
 
     ``device='cpu'`` predicts what ``bench --device cpu`` measures (live tensor bytes allocated inside the step);
     ``step_only=True`` on ``cuda`` leaves out what exists before the step (:data:`MODEL_STATE_TERMS`), as
-    ``bench``'s CUDA measurement (peak allocated minus what was allocated before) does. The GPU peak-memory test
-    bounds its measurement by this (x 1.2).
+    ``bench``'s CUDA measurement (peak allocated minus what was allocated before) does. ``head_implementation``:
+    the fused head's statistics (:class:`~.workload.Engine`; None: the device's default). The GPU peak-memory test
+    bounds its measurement by this (x 1.2), and a CPU test checks it on the CUDA code path.
     """
     dims = load_dims(model).with_layers(layers)
-    memory = plan_memory(method, dims, workload, Engine(device=device))
+    memory = plan_memory(method, dims, workload, Engine(device=device, head_implementation=head_implementation))
     if step_only:
         return memory.peak_bytes - sum(memory.terms.get(name, 0) for name in MODEL_STATE_TERMS)
     return memory.peak_bytes
@@ -102,5 +110,6 @@ def bench_workload(prompts: int, prompt_len: int, completion_len: int, generatio
         generations,
         scored_tokens=int(batch.completion_mask.sum()),
         prompt_tokens=int(batch.prompt_mask.sum()),
+        padded_prompts=not bool(batch.prompt_mask.all()),
         **options,
     )

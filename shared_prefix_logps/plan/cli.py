@@ -39,6 +39,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="cuda", help="cuda, or cpu for what `bench --device cpu` measures")
     parser.add_argument(
+        "--unpadded-prompts",
+        action="store_true",
+        help="no prompt is left-padded (expand: no Phase 1 mask, one Phase 2 mask for every row)",
+    )
+    parser.add_argument(
+        "--head-implementation",
+        default=None,
+        help="the fused head's statistics: triton or torch (default: triton on cuda, torch on cpu)",
+    )
+    parser.add_argument(
         "--methods", default=",".join(METHODS), help="comma-separated methods to plan (default: %(default)s)"
     )
     parser.add_argument("--max-generations", action="store_true", help="also the largest power-of-two G that fits")
@@ -68,9 +78,11 @@ def run(args: argparse.Namespace) -> int:
             lora_fraction=args.lora_fraction,
             optimizer=args.optimizer,
             generations_per_chunk=args.generations_per_chunk,
+            padded_prompts=not args.unpadded_prompts,
         )
         kind = args.engine or ("single" if args.gpus == 1 else "fsdp2")
-        engine = Engine(kind, args.gpus, args.device, parse_memory_size(args.gpu_memory))
+        memory = parse_memory_size(args.gpu_memory)
+        engine = Engine(kind, args.gpus, args.device, memory, head_implementation=args.head_implementation)
     except (TypeError, ValueError) as error:
         raise SystemExit(f"shared-prefix-logps plan: {_with_option(error)}") from error
     plans = plan(dims, workload, engine, methods)
@@ -119,6 +131,7 @@ _OPTION_OF = {
     "model": "--model",
     "unknown preset": "--model",
     "gpu_memory": "--gpu-memory",
+    "head_implementation": "--head-implementation",
 }
 
 

@@ -25,6 +25,8 @@ class ModelDims:
         hidden, layers, heads, kv_heads, head_dim, v_head_dim, intermediate, vocab: the config's sizes.
         tied: whether the LM head shares the embedding's weight.
         qkv_bias: whether q/k/v projections have a bias (Qwen2).
+        sliding_window: the config's sliding window (None: none); a window shorter than the keys makes ``expand``
+            build masks even for unpadded prompts.
         name: where the sizes came from (a preset name or a path), for reports.
     """
 
@@ -38,6 +40,7 @@ class ModelDims:
     vocab: int
     tied: bool
     qkv_bias: bool = False
+    sliding_window: int | None = None
     name: str = "config"
 
     @property
@@ -55,6 +58,10 @@ class ModelDims:
         """All parameters: embedding, layers, final norm and (untied) LM head."""
         embedding = self.vocab * self.hidden
         return embedding * (1 if self.tied else 2) + self.layers * self.layer_params + self.hidden
+
+    def windowed(self, keys: int) -> bool:
+        """Whether the sliding window hides some of ``keys`` keys from a query (``AttentionShape.windowed``)."""
+        return self.sliding_window is not None and self.sliding_window < keys
 
     def with_layers(self, layers: int | None) -> ModelDims:
         """The same model with ``layers`` decoder layers (None: unchanged), as ``bench --layers`` builds it."""
@@ -97,6 +104,8 @@ def dims_from_config(config: dict, *, name: str = "config") -> ModelDims:
         vocab=config["vocab_size"],
         tied=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
+        # transformers drops the window of a config that turns it off (Qwen2's use_sliding_window=False).
+        sliding_window=config.get("sliding_window") if config.get("use_sliding_window", True) else None,
         name=name,
     )
     for field, value in dims.__dict__.items():
@@ -141,6 +150,7 @@ def dims_from_preset(name: str) -> ModelDims:
         vocab=p.vocab,
         tied=p.tied,
         qkv_bias=p.family == "qwen2",
+        sliding_window=dict(p.extra).get("sliding_window"),
         name=name,
     )
 

@@ -20,28 +20,40 @@ mask, prompts of one real length together; ``trl`` R rows of P + C tokens with t
     dense     logits (R, C + 1, V) x s, float32 (R, C, V) tempered logits and log-probs, their gradients in backward
     trl       TRL's fused head: (min(N, 4096), min(V, 32768)) tiles, N = all R x (P + C - 1) positions where Triton
               is not used (CPU), the scored ones on CUDA; float32 (V, H) weight gradient
-    expand    additive masks and per-row gathered prompt K/V (``backends.expand_memory``); on CPU the gathered
-              K/V are saved per layer, on CUDA they are recomputed in backward (one layer at a time)
-    flex      no per-row copies: packed [prompt ; completions] keys, the block mask's few bytes
+    expand    additive masks (16-aligned key dims; none in Phase 1 and one row's in Phase 2 for unpadded prompts
+              without a window) and per-row gathered prompt K/V (:func:`expand_terms`, sizes from
+              ``backends.expand_memory``). On CPU SDPA saves the gathered K/V of every layer. On CUDA, the fused
+              path, KV heads are repeated for a kernel that rejects grouped heads (counted whenever heads are
+              grouped: an upper bound), Phase 1's SDPA saves its repeated K/V in every layer, and Phase 2's
+              gathered attention is recomputed in backward: no per-row copy or log-sum-exp saved, but a layer's
+              attention backward holds its gathered (or repeated) K/V and their gradients at once
+    flex      no per-row copies: each layer saves packed [prompts ; completions] keys/values (a copy of the
+              prompts', lengths rounded up to 128) instead of the rows' own; the block mask's few bytes
     chunked   Phase 1 saved once plus one generation chunk's Phase 2 at a time (``generations_per_chunk``, G/4 as
               the bench runs it by default), the prompts' K/V gradients accumulated beside
-    all shared methods: the fused head's row chunks (``kernels.fused_head``: float32 logits of <= 256 MiB on CPU),
-    its float32 (V, H) weight-gradient accumulator
+    all shared methods: Phase 1 runs the final norm over the prompts too; the fused head's row chunks
+    (``kernels.fused_head``: float32 logits of <= 256 MiB on CPU, <= 8 GiB on CUDA) with the torch statistics'
+    float32 temporaries beside them (CPU, or CUDA where Triton cannot launch: ``Engine.head_implementation``), its
+    float32 (V, H) weight-gradient accumulator
+
+Not modelled: explicit attention scores (softcap or sinks models on expand, ``expand_memory.scores_bytes``), a
+second set of masks for models mixing windowed and full-attention layers, and the bookkeeping tensors of a call
+(RoPE tables, positions, indices: kilobytes per thousand tokens).
 
 On ``cuda`` the parameters, gradients (trainable share) and optimizer states are added, divided by the world size
 under FSDP2 / ZeRO-3 (which also hold one layer unsharded at a time); on ``cpu`` (``bench --device cpu``) the
 parameters and optimizer are outside the measured step, gradients inside it.
 
 The peak is the largest of a few moments of the step (the forward's largest transient, the start of backward
-through the head, the end of backward with every gradient allocated); :class:`MemoryPlan` keeps the terms of the
-moment that wins.
+through the head, expand's attention backward of a layer on CUDA, the end of backward with every gradient
+allocated); :class:`MemoryPlan` keeps the terms of the moment that wins, and those of every moment.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..backends.expand_memory import padded_width
+from ..backends.expand_memory import AttentionShape, kv_bytes, mask_bytes
 from .dims import ModelDims
 from .workload import OPTIMIZER_STATE_BYTES, Engine, Workload
 
@@ -52,17 +64,21 @@ CPU_HEAD_CHUNK_BYTES = 256 * 2**20
 #: On CUDA the fused head sizes its chunk from free memory, within these bounds (``GPU_CHUNK_BYTES_BOUNDS``); the
 #: plan takes the upper bound.
 CUDA_HEAD_CHUNK_BYTES = 8 * 2**30
+#: flex pads packed lengths up to a multiple of its masks' block size (``backends.flex.LENGTH_BUCKET``).
+FLEX_BLOCK = 128
 #: TRL's fused head tiles: tokens x vocabulary columns.
 TRL_TOKEN_TILE, TRL_VOCAB_TILE = 4096, 32768
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """A method's predicted peak bytes per device and the terms it is the sum of (name -> bytes)."""
+    """A method's predicted peak bytes per device and the terms it is the sum of (name -> bytes); ``moments`` holds
+    the terms of every moment of the step considered (the model state included), the peak's among them."""
 
     method: str
     peak_bytes: int
     terms: dict[str, int]
+    moments: tuple[dict[str, int], ...] = ()
 
     def largest(self, count: int = 3) -> list[tuple[str, int]]:
         """The ``count`` largest terms, largest first."""
@@ -128,9 +144,10 @@ def _fused_head(dims: ModelDims, w: Workload, engine: Engine, scored: int) -> tu
     """The library's fused head over ``scored`` rows: (forward transient, backward transient) terms."""
     s, v = w.itemsize, dims.vocab
     chunk = _head_chunk_rows(dims, scored, engine)
-    # The torch statistics (CPU) hold a float32 copy beside the chunk's logits, and three float32 buffers in
-    # backward; the Triton kernels (CUDA) work in the logits' buffer, and backward adds its cast for the matmuls.
-    forward_per_entry, backward_per_entry = (s, 2 * s) if engine.device == "cuda" else (s + 4, s + 12)
+    # The torch statistics (CPU, and CUDA where Triton cannot launch) hold a float32 copy beside the chunk's
+    # logits, and three float32 buffers in backward; the Triton kernels work in the logits' buffer, and backward
+    # adds its cast for the matmuls.
+    forward_per_entry, backward_per_entry = (s, 2 * s) if engine.head_statistics == "triton" else (s + 4, s + 12)
     forward = {"head chunk": chunk * v * forward_per_entry, "head input": scored * dims.hidden * s}
     if not w.train:
         return forward, {}
@@ -143,16 +160,63 @@ def _fused_head(dims: ModelDims, w: Workload, engine: Engine, scored: int) -> tu
     return forward, backward
 
 
-def _shared_extras(dims: ModelDims, w: Workload, engine: Engine, rows: int) -> tuple[int, int, int]:
-    """expand's (Phase 1 mask, Phase 2 mask, gathered K/V of one layer) bytes for ``rows`` completion rows."""
-    s, lp, c = w.itemsize, w.prompt_len - 1, w.completion_len
-    prompt_mask = w.prompts * lp * padded_width(lp) * s
-    row_mask = rows * c * padded_width(lp + c) * s
-    gathered = rows * dims.kv_heads * (lp + c) * (dims.head_dim + dims.v_head_dim) * s
-    if engine.device == "cuda" and dims.kv_heads != dims.heads:
-        # A kernel that rejects grouped heads gets them repeated (an upper bound, as token_budget counts it).
-        gathered += rows * dims.heads * (lp + c) * (dims.head_dim + dims.v_head_dim) * s
-    return prompt_mask, row_mask, gathered
+def fused_attention_path(engine: Engine) -> bool:
+    """Whether ``expand`` takes its fused-kernel path on ``engine``'s device (``backends.expand.on_fused_path``:
+    CUDA): SDPA kernels chosen by torch's rules, KV heads repeated for a kernel that rejects grouped heads, each
+    layer's gathered K/V recomputed in backward instead of saved."""
+    return engine.device == "cuda"
+
+
+def expand_terms(dims: ModelDims, w: Workload, engine: Engine, rows: int) -> dict[str, int]:
+    """``expand``'s attention memory beyond the model's activations for ``rows`` completion rows, by name (bytes;
+    sizes from ``backends.expand_memory``):
+
+    - ``prompt mask``: Phase 1's additive mask of every prompt, none for unpadded prompts without a window shorter
+      than the prompt (they run causal SDPA without a mask);
+    - ``row masks``: Phase 2's masks, one per row, or one row's shared by all when no prompt is padded and no window
+      hides a key;
+    - ``gathered K/V (one layer)``: each row's [prompt ; own] keys and values;
+    - ``repeated K/V (one layer)``, ``prompt repeated K/V (one layer)``: on the fused path with grouped heads, the
+      rows' and the prompts' keys and values repeated to every query head. Counted whether or not the kernel
+      torch picks takes grouped heads natively (which depends on the GPU, torch and cuDNN): an upper bound, as
+      ``token_budget`` counts it.
+
+    Masks are allocated with their key dim rounded up to a multiple of 16 (``expand_memory.MASK_ALIGNMENT``), so
+    that SDPA's memory-efficient kernel does not copy them in every layer.
+    """
+    shape = attention_shape(dims, w)
+    lp, c = w.prompt_len - 1, w.completion_len
+    prompt_masked = w.padded_prompts or dims.windowed(lp)
+    rows_masked = w.padded_prompts or dims.windowed(lp + c)
+    repeats = fused_attention_path(engine) and dims.kv_heads != dims.heads
+    return {
+        "prompt mask": w.prompts * mask_bytes(lp, lp, w.itemsize) if prompt_masked else 0,
+        "row masks": (rows if rows_masked else 1) * mask_bytes(c, lp + c, w.itemsize),
+        "gathered K/V (one layer)": rows * kv_bytes(shape, dims.kv_heads, lp + c),
+        "repeated K/V (one layer)": rows * kv_bytes(shape, dims.heads, lp + c) if repeats else 0,
+        "prompt repeated K/V (one layer)": w.prompts * kv_bytes(shape, dims.heads, lp) if repeats else 0,
+    }
+
+
+def attention_shape(dims: ModelDims, w: Workload) -> AttentionShape:
+    """The sizes ``backends.expand_memory`` computes its terms from (no explicit scores: see ``plan_memory``)."""
+    return AttentionShape(
+        hidden_size=dims.hidden,
+        heads=dims.heads,
+        kv_heads=dims.kv_heads,
+        head_dim=dims.head_dim,
+        v_head_dim=dims.v_head_dim,
+        itemsize=w.itemsize,
+        explicit_scores=False,
+        sliding_window=dims.sliding_window,
+    )
+
+
+def _packed_kv_bytes(dims: ModelDims, w: Workload, prompt_tokens: int, row_tokens: int) -> int:
+    """flex's keys and values of one Phase 2 layer: [prefixes ; completions] packed in one tensor (a copy of the
+    prompts' captured keys/values), its length rounded up to the 128-token blocks of the masks (``backends.flex``)."""
+    length = -(-(prompt_tokens + row_tokens) // FLEX_BLOCK) * FLEX_BLOCK
+    return length * dims.kv_heads * (dims.head_dim + dims.v_head_dim) * w.itemsize
 
 
 def _model_state(dims: ModelDims, w: Workload, engine: Engine) -> dict[str, int]:
@@ -266,41 +330,63 @@ def _dense_like(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _M
 def _shared(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _Moments:
     s, lp, c = w.itemsize, w.prompt_len - 1, w.completion_len
     kv_per_token = dims.kv_heads * (dims.head_dim + dims.v_head_dim) * s
+    fused = fused_attention_path(engine)
     m = _Moments()
     chunk_g = w.chunk_generations if (method == "chunked" and w.train) else w.generations
     rows = w.prompts * chunk_g
     scored = w.scored * chunk_g // w.generations
     prompt_tokens, row_tokens = w.prompts * lp, rows * c
-    prompt_mask, row_mask, gathered = _shared_extras(dims, w, engine, rows)
-    if method == "flex":
-        prompt_mask = row_mask = gathered = 0
+    extra = expand_terms(dims, w, engine, rows)
+    if method == "flex":  # packed: no per-row copies, no dense masks
+        extra = dict.fromkeys(extra, 0)
+    # The masks are cached on the phases' contexts, and Phase 2's context holds Phase 1's: both live until the
+    # completions' forward (the head included) returns, and, with gradients, until backward.
+    masks = {name: extra[name] for name in ("prompt mask", "row masks")}
+    gathered = {name: extra[name] for name in ("gathered K/V (one layer)", "repeated K/V (one layer)")}
+    prompt_repeated = extra["prompt repeated K/V (one layer)"]
+    packed = {"packed K/V (one layer)": _packed_kv_bytes(dims, w, prompt_tokens, row_tokens) if method == "flex" else 0}
     if not w.train:
-        captured = prompt_tokens * kv_per_token * dims.layers
-        m.add(**{"layer transient": prompt_tokens * layer_transient_bytes_per_token(dims, s), "mask": prompt_mask})
+        captured = {"captured prompt K/V": prompt_tokens * kv_per_token * dims.layers}
+        phase1_layer = prompt_tokens * layer_transient_bytes_per_token(dims, s)
         m.add(
             **{
-                "captured prompt K/V": captured,
-                "layer transient": row_tokens * layer_transient_bytes_per_token(dims, s),
-                "gathered K/V (one layer)": gathered,
-                "mask": row_mask,
+                "layer transient": phase1_layer,
+                "prompt mask": masks["prompt mask"],
+                "prompt repeated K/V (one layer)": prompt_repeated,
             }
         )
-        head_forward, _ = _fused_head(dims, w, engine, scored)
         m.add(
-            **{"captured prompt K/V": captured, "last hidden states": 2 * row_tokens * dims.hidden * s}, **head_forward
+            **captured,
+            **{"layer transient": row_tokens * layer_transient_bytes_per_token(dims, s)},
+            **gathered,
+            **packed,
+            **masks,
         )
+        head_forward, _ = _fused_head(dims, w, engine, scored)
+        m.add(**captured, **{"last hidden states": 2 * row_tokens * dims.hidden * s}, **head_forward, **masks)
         return m
-    # CPU's SDPA saves each layer's gathered K/V; on CUDA they are recomputed in backward, one layer at a time.
-    saved_gathered = gathered if engine.device == "cpu" else 0
-    phase1 = _activations(dims, w, prompt_tokens)
-    phase2 = _activations(dims, w, row_tokens, extra_per_layer=saved_gathered - row_tokens * kv_per_token)
+    if method == "flex":
+        # flex_attention saves each layer's packed keys/values in place of the rows' own.
+        phase2_extra = packed["packed K/V (one layer)"] - row_tokens * kv_per_token
+    elif fused:
+        # The fused path saves no per-row copy: the gathered attention is recomputed in backward, so Phase 2's
+        # layers save their own keys/values and no SDPA log-sum-exp (4 bytes per query head and token).
+        phase2_extra = -row_tokens * 4 * dims.heads
+    else:
+        # CPU's SDPA saves each layer's gathered K/V (the rows' own keys/values among them) and its log-sum-exp.
+        phase2_extra = gathered["gathered K/V (one layer)"] - row_tokens * kv_per_token
+    # Phase 1 runs the final norm over the prompts too (its head returns nothing, so the norm's output is not saved).
+    prompt_final_norm = prompt_tokens * (final_norm_bytes_per_token(dims, s) - dims.hidden * s)
+    phase1 = _activations(dims, w, prompt_tokens) + prompt_final_norm
+    phase2 = _activations(dims, w, row_tokens, extra_per_layer=phase2_extra)
     acts = {
         "prompt activations": phase1,
         "completion activations": phase2 + row_tokens * final_norm_bytes_per_token(dims, s),
-        "masks": prompt_mask + row_mask,
+        # Phase 1's SDPA saves the repeated keys/values it was given, in every layer (one recomputed layer at a
+        # time under gradient checkpointing, after the completions' backward).
+        "prompt repeated K/V (saved)": 0 if w.gradient_checkpointing else prompt_repeated * dims.layers,
+        **masks,
     }
-    if engine.device == "cuda":
-        acts["gathered K/V (one layer)"] = gathered
     earlier = {}
     if method == "chunked":
         acts["prompt K/V grads"] = prompt_tokens * kv_per_token * dims.layers
@@ -308,8 +394,16 @@ def _shared(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _Momen
             # From the second chunk on, every parameter's .grad holds the earlier chunks' sum.
             earlier = {"gradients": _trainable(dims, w) * s}
     head_forward, head_backward = _fused_head(dims, w, engine, scored)
+    recomputed = {"recomputed layer": _recompute(dims, w, row_tokens)}
     m.add(**acts, **head_forward, **earlier)
-    m.add(**acts, **head_backward, **earlier, **{"recomputed layer": _recompute(dims, w, row_tokens)})
+    m.add(**acts, **head_backward, **earlier, **recomputed)
+    if fused and method != "flex":
+        # The last layer's attention backward: SDPA's backward holds the keys/values it attended over, recomputed,
+        # beside their gradients. With a repeat those are the repeated ones (the gathered copies they were made
+        # from are freed before, and their gradients come after the repeated ones are freed).
+        name = "repeated K/V" if gathered["repeated K/V (one layer)"] else "gathered K/V"
+        size = gathered[f"{name} (one layer)"]
+        m.add(**acts, **earlier, **recomputed, **{f"{name} (one layer)": size, f"{name} grads (one layer)": size})
     if method == "chunked" and engine.device == "cpu":
         # The last backward, through the prompt: its activations and K/V gradients beside every gradient.
         end = _end_of_backward(dims, w, engine, accumulating=chunk_g < w.generations)
@@ -327,5 +421,7 @@ def plan_memory(method: str, dims: ModelDims, workload: Workload, engine: Engine
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     moments = (_dense_like if method in ("dense", "trl") else _shared)(dims, workload, engine, method)
     moments.add(**_end_of_backward(dims, workload, engine))
-    terms = {**_model_state(dims, workload, engine), **moments.peak()}
-    return MemoryPlan(method, sum(terms.values()), terms)
+    state = _model_state(dims, workload, engine)
+    terms = {**state, **moments.peak()}
+    every = tuple({**state, **moment} for moment in moments.moments)
+    return MemoryPlan(method, sum(terms.values()), terms, every)

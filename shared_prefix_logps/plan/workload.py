@@ -14,6 +14,9 @@ OPTIMIZER_STATE_BYTES = {"adamw": 8, "sgd": 0}
 #: ``cpu``: the quantity ``bench --device cpu`` measures (peak live tensor bytes inside one step: parameters and
 #: the optimizer excluded, gradients included); ``cuda``: a training process's peak allocated bytes per device.
 DEVICES = ("cuda", "cpu")
+#: Implementations of the fused head's statistics (``kernels.implementation``): the Triton kernels work in the
+#: logits' buffer; the torch one holds float32 temporaries beside it.
+HEAD_IMPLEMENTATIONS = ("triton", "torch")
 
 
 def _positive_int(name: str, value) -> int:
@@ -44,6 +47,9 @@ class Workload:
             only compute these.
         prompt_tokens: real prompt tokens (None: all B x P); used by FLOP floors.
         generations_per_chunk: ``chunked_backward``'s chunk (None: G // 4, as the bench runs it).
+        padded_prompts: whether some prompt is left-padded. ``expand`` then builds a Phase 1 mask and a Phase 2 mask
+            per row; unpadded prompts (without a window shorter than the keys) run Phase 1 causally without a mask
+            and share one row's Phase 2 mask. True unless known otherwise: the larger prediction.
     """
 
     prompts: int
@@ -58,6 +64,7 @@ class Workload:
     scored_tokens: int | None = None
     prompt_tokens: int | None = None
     generations_per_chunk: int | None = None
+    padded_prompts: bool = True
 
     def __post_init__(self):
         _positive_int("prompts", self.prompts)
@@ -77,6 +84,11 @@ class Workload:
             )
         if self.scored_tokens is not None and not 0 <= self.scored_tokens <= self.rows * self.completion_len:
             raise ValueError(f"scored_tokens must be in [0, rows x C], got {self.scored_tokens}")
+        if not self.padded_prompts and self.real_prompt_tokens < self.prompts * self.prompt_len:
+            raise ValueError(
+                f"padded_prompts=False, but prompt_tokens={self.prompt_tokens} < B x P = "
+                f"{self.prompts * self.prompt_len} says some prompt is padded; pass padded_prompts=True"
+            )
 
     @property
     def rows(self) -> int:
@@ -155,6 +167,8 @@ class Engine:
         world_size: devices sharing the parameters, gradients and optimizer states (1 for ``single``).
         device: ``cuda`` (allocated bytes of a training process) or ``cpu`` (what ``bench --device cpu`` measures).
         memory_bytes: one device's memory, for the "fits" verdict (None: no verdict).
+        head_implementation: the fused head's statistics, ``triton`` or ``torch`` (None: ``triton`` on ``cuda``,
+            ``torch`` on ``cpu``); CUDA runs the torch one where Triton kernels cannot launch.
     """
 
     kind: str = "single"
@@ -162,6 +176,7 @@ class Engine:
     device: str = "cuda"
     memory_bytes: int | None = None
     extra: dict = field(default_factory=dict)
+    head_implementation: str | None = None
 
     def __post_init__(self):
         _choice("engine", self.kind, ENGINES)
@@ -171,6 +186,15 @@ class Engine:
             raise ValueError(f"engine 'single' runs on one device; got gpus={self.world_size} (use fsdp2 or zero3)")
         if self.memory_bytes is not None and self.memory_bytes <= 0:
             raise ValueError(f"gpu_memory must be positive, got {self.memory_bytes}")
+        if self.head_implementation is not None:
+            _choice("head_implementation", self.head_implementation, HEAD_IMPLEMENTATIONS)
+            if self.device == "cpu" and self.head_implementation == "triton":
+                raise ValueError("head_implementation 'triton' runs on cuda only; bench --device cpu uses 'torch'")
+
+    @property
+    def head_statistics(self) -> str:
+        """The implementation of the fused head's statistics: ``head_implementation`` or the device's default."""
+        return self.head_implementation or ("triton" if self.device == "cuda" else "torch")
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)

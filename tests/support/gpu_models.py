@@ -80,10 +80,11 @@ def head_dim(model: torch.nn.Module) -> int:
 PEAK_VOCAB = 151936
 
 
-def peak_memory_model(dtype=torch.bfloat16, seed: int = 0) -> torch.nn.Module:
-    """A Qwen2 of 8 layers, hidden 256, 8 query heads over 2 KV heads of 32, vocabulary 151,936, tied embeddings:
-    deep enough that per-layer copies add up, grouped enough that a repeat of the KV heads shows."""
-    config = transformers.Qwen2Config(
+def peak_memory_config() -> transformers.Qwen2Config:
+    """The peak-memory model's config: a Qwen2 of 8 layers, hidden 256, 8 query heads over 2 KV heads of 32,
+    vocabulary 151,936, tied embeddings: deep enough that per-layer copies add up, grouped enough that a repeat of
+    the KV heads shows."""
+    return transformers.Qwen2Config(
         vocab_size=PEAK_VOCAB,
         hidden_size=256,
         intermediate_size=512,
@@ -93,5 +94,9 @@ def peak_memory_model(dtype=torch.bfloat16, seed: int = 0) -> torch.nn.Module:
         max_position_embeddings=32768,
         tie_word_embeddings=True,
     )
+
+
+def peak_memory_model(dtype=torch.bfloat16, seed: int = 0) -> torch.nn.Module:
+    """The model of :func:`peak_memory_config` with random weights."""
     torch.manual_seed(seed)
-    return transformers.Qwen2ForCausalLM(config).to(dtype)
+    return transformers.Qwen2ForCausalLM(peak_memory_config()).to(dtype)

@@ -1,0 +1,89 @@
+"""What the plan's expand and head terms depend on beyond the shapes: padded prompts, sliding windows, the fused
+head's implementation, and the options that set them (named when they are wrong)."""
+
+import json
+
+import pytest
+
+from shared_prefix_logps.bench.cli import main
+from shared_prefix_logps.plan import Engine, Workload, bench_workload, plan_memory
+from shared_prefix_logps.plan.dims import dims_from_config, dims_from_preset
+from shared_prefix_logps.plan.memory import expand_terms
+
+CONFIG = dict(
+    model_type="llama",
+    hidden_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    intermediate_size=512,
+    vocab_size=4096,
+)
+
+
+def test_unpadded_prompts_drop_the_prompt_mask_and_share_one_row_mask():
+    dims = dims_from_config(CONFIG)
+    padded = expand_terms(dims, Workload(2, 512, 64, 8), Engine(), rows=16)
+    unpadded = expand_terms(dims, Workload(2, 512, 64, 8, padded_prompts=False), Engine(), rows=16)
+    assert padded["prompt mask"] == 2 * 511 * 512 * 2 and unpadded["prompt mask"] == 0
+    assert padded["row masks"] == 16 * unpadded["row masks"] == 16 * 64 * 576 * 2
+    assert padded["gathered K/V (one layer)"] == unpadded["gathered K/V (one layer)"]
+
+
+def test_a_window_shorter_than_the_keys_needs_the_masks_of_padded_prompts():
+    unpadded = Workload(1, 512, 64, 8, padded_prompts=False)
+    for window, expected in ((4096, 0), (300, 511 * 512 * 2)):
+        dims = dims_from_config({**CONFIG, "sliding_window": window})
+        terms = expand_terms(dims, unpadded, Engine(), rows=8)
+        assert terms["prompt mask"] == expected, window
+        assert terms["row masks"] == (1 if window == 4096 else 8) * 64 * 576 * 2, window
+
+
+def test_sliding_windows_are_read_as_transformers_reads_them():
+    assert dims_from_preset("gemma-2-2b").sliding_window == 4096
+    assert dims_from_preset("qwen2.5-7b").sliding_window is None
+    # Qwen2 configs carry a window that use_sliding_window=False turns off.
+    off = dims_from_config({**CONFIG, "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": False})
+    assert off.sliding_window is None
+
+
+def test_torch_head_statistics_hold_float32_temporaries_on_cuda_too():
+    dims = dims_from_config(CONFIG)
+    w = Workload(1, 64, 128, 4, mode="score")
+    triton = plan_memory("expand", dims, w, Engine(head_implementation="triton"))
+    torch_stats = plan_memory("expand", dims, w, Engine(head_implementation="torch"))
+    rows = 4 * 128
+    assert triton.terms["head chunk"] == rows * 4096 * 2  # bf16 logits, statistics in place
+    assert torch_stats.terms["head chunk"] == rows * 4096 * (2 + 4)  # and a float32 copy
+    assert Engine().head_statistics == "triton" and Engine(device="cpu").head_statistics == "torch"
+
+
+def test_bench_workload_knows_whether_its_prompts_are_padded():
+    # bench's batches: one prompt of exactly P; more prompts of P down to P/2, left-padded.
+    assert not bench_workload(1, 64, 16, 4).padded_prompts
+    assert bench_workload(2, 64, 16, 4).padded_prompts
+
+
+def test_contradicting_options_are_refused_by_name():
+    with pytest.raises(ValueError, match="padded_prompts"):
+        Workload(2, 64, 16, 4, prompt_tokens=100, padded_prompts=False)
+    with pytest.raises(ValueError, match="head_implementation"):
+        Engine(head_implementation="cuda")
+    with pytest.raises(ValueError, match="head_implementation 'triton' runs on cuda only"):
+        Engine(device="cpu", head_implementation="triton")
+
+
+def test_cli_options_reach_the_plan(capsys):
+    base = ["plan", "--model", "qwen2.5-0.5b", "--prompt-len", "1024", "--completion-len", "256"]
+    base += ["--generations", "8", "--methods", "expand", "--json"]
+    assert main(base) == 0
+    padded = json.loads(capsys.readouterr().out)
+    assert main([*base, "--unpadded-prompts", "--head-implementation", "torch"]) == 0
+    unpadded = json.loads(capsys.readouterr().out)
+    assert padded["workload"]["padded_prompts"] and not unpadded["workload"]["padded_prompts"]
+    (padded_terms,), (unpadded_terms,) = ([r["breakdown"] for r in out["methods"]] for out in (padded, unpadded))
+    assert padded_terms["row masks"] == 16 * unpadded_terms["row masks"]  # B x G = 16 rows, or one row's mask
+    assert "prompt mask" in padded_terms and "prompt mask" not in unpadded_terms
+    with pytest.raises(SystemExit) as raised:
+        main([*base, "--head-implementation", "cuda"])
+    assert str(raised.value).startswith("shared-prefix-logps plan: --head-implementation:"), str(raised.value)

@@ -3,6 +3,8 @@ and its docstring in Markdown. ``tests/docs/test_docs.py`` checks api.md against
 docstring changes, print the module's sections and paste them over the old ones:
 
     python tests/docs/api_reference.py shared_prefix_logps.kernels [more modules, or module:name1,name2]
+
+or let it replace them in docs/api.md: ``python tests/docs/api_reference.py --write shared_prefix_logps.plan``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import importlib
 import inspect
 import re
 import sys
+from pathlib import Path
 
 SECTION_HEADERS = ("Args", "Arguments", "Attributes", "Returns", "Raises", "Notes", "Yields", "Example", "Examples")
 _HEADER_LINE = re.compile(rf"^({'|'.join(SECTION_HEADERS)}):\s*$")
@@ -80,12 +83,36 @@ def section(module_name: str, name: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", "\n".join(lines))
 
 
+API_MD = Path(__file__).resolve().parents[2] / "docs" / "api.md"
+
+
+def replace_section(text: str, module_name: str, name: str) -> str:
+    """``text`` (api.md) with the section of ``module_name.name`` printed afresh; the section is the ``### `name` ``
+    one whose body names ``module_name.name``, up to the next ``##``/``###`` heading."""
+    lines = text.split("\n")
+    starts = [i for i, line in enumerate(lines) if line == f"### `{name}`"]
+    for start in starts:
+        end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith(("## ", "### "))), len(lines))
+        body = "\n".join(lines[start:end])
+        if f"{module_name}.{name}" in body or len(starts) == 1:
+            fresh = section(module_name, name).rstrip("\n").split("\n") + [""]
+            return "\n".join(lines[:start] + fresh + lines[end:])
+    raise SystemExit(f"docs/api.md has no section for {module_name}.{name}")
+
+
 def main(argv: list[str]) -> None:
-    for spec in argv:
+    write = "--write" in argv
+    text = API_MD.read_text() if write else ""
+    for spec in (a for a in argv if a != "--write"):
         module_name, _, names = spec.partition(":")
         module = importlib.import_module(module_name)
         for name in names.split(",") if names else module.__all__:
-            print(section(module_name, name))
+            if write:
+                text = replace_section(text, module_name, name)
+            else:
+                print(section(module_name, name))
+    if write:
+        API_MD.write_text(text)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from ..inputs import as_int, check_options
 from ..model import prepare_model
 from ..output import LogpsOutput
 from .inputs import check_tree_rows
-from .trie import build_trie
+from .merge import merge_threshold, rows_trie
 from .walk import TreeWalk
 
 
@@ -35,12 +35,13 @@ def chunked_backward_tree(
     temperature: float = 1.0,
     return_entropy: bool = False,
     backend: str = "auto",
+    merge_tiny_nodes: bool = True,
 ) -> LogpsOutput:
     """Run forward and backward of ``loss_fn`` over chunks of rows of a prefix tree; parameters' ``.grad``
     accumulate the gradient of ``sum(loss_fn(chunk) for chunk)``, as one graph over all rows would give.
 
     Args:
-        model, input_ids, attention_mask, score_mask, temperature, return_entropy: as for
+        model, input_ids, attention_mask, score_mask, temperature, return_entropy, merge_tiny_nodes: as for
             :func:`~shared_prefix_logps.compute_logps_tree`.
         loss_fn: ``loss_fn(chunk_out, rows) -> scalar tensor``; ``chunk_out`` a differentiable :class:`LogpsOutput`
             of the chunk's rows, (len(rows), L); ``rows`` (len(rows),) int64 their indices in ``input_ids``.
@@ -63,6 +64,7 @@ def chunked_backward_tree(
         raise ValueError(f"chunked_backward_tree supports backend 'auto', 'expand' or 'flex', got {backend!r}")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    merge_below = merge_threshold(merge_tiny_nodes)
     rows_per_chunk = as_int("rows_per_chunk", rows_per_chunk)
     if rows_per_chunk < 1:
         raise ValueError(f"rows_per_chunk must be at least 1, got {rows_per_chunk}")
@@ -75,7 +77,7 @@ def chunked_backward_tree(
     if backend == "flex":
         resolve_attention_backend(backend, prepared.device)  # flex_attention's backward exists on CUDA only
     rows = check_tree_rows(input_ids, attention_mask, score_mask, model=prepared)
-    trie = build_trie(rows.justified(), rows.lengths)
+    trie = rows_trie(rows, merge_below)
     walk = TreeWalk(prepared, trie, rows, float(temperature), return_entropy, driver, packed=backend == "flex")
     num_rows, length = rows.score_mask.shape
     logps = torch.zeros(num_rows, length, device=prepared.device)

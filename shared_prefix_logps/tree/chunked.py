@@ -20,6 +20,7 @@ from ..inputs import as_int, check_options
 from ..model import prepare_model
 from ..output import LogpsOutput
 from .inputs import check_tree_rows
+from .lockstep import call_agreement
 from .merge import merge_threshold, rows_trie
 from .walk import TreeWalk
 
@@ -36,6 +37,7 @@ def chunked_backward_tree(
     return_entropy: bool = False,
     backend: str = "auto",
     merge_tiny_nodes: bool = True,
+    lockstep: bool | None = None,
 ) -> LogpsOutput:
     """Run forward and backward of ``loss_fn`` over chunks of rows of a prefix tree; parameters' ``.grad``
     accumulate the gradient of ``sum(loss_fn(chunk) for chunk)``, as one graph over all rows would give.
@@ -49,15 +51,17 @@ def chunked_backward_tree(
         rows_per_chunk: rows per chunk, taken in the depth-first order of the trie (rows that share the most come
             together); memory holds the paths of one chunk's rows.
         backend: ``"auto"``/``"expand"`` or ``"flex"`` (CUDA only: torch's flex_attention has no CPU backward).
+        lockstep: as for :func:`~shared_prefix_logps.compute_logps`: by default, under DDP or FSDP with several
+            processes, every node forward and backward is agreed with the other processes first, so that processes
+            with different tries make the same model calls (:mod:`~shared_prefix_logps.tree.lockstep`).
 
     Returns:
         The detached :class:`LogpsOutput` of all rows, (N, L).
 
     Notes:
         Every chunk calls backward, and every node call once more; under DDP wrap the call in ``no_sync()`` except for
-        the step that synchronizes. Under FSDP (whose collectives are matched by order) every process must make the
-        same node calls: rows whose tries have the same shape on every process. DeepSpeed engines are not supported
-        here yet.
+        the step that synchronizes. DeepSpeed engines are refused: use ``compute_logps_tree`` and
+        ``engine.backward``.
     """
     check_options(temperature, backend)
     if backend not in ("auto", "expand", "flex"):
@@ -72,13 +76,19 @@ def chunked_backward_tree(
         raise RuntimeError("chunked_backward_tree runs backward passes; call it with gradients enabled")
     driver = _backward_driver(model)
     if isinstance(driver, _DeepSpeedBackward):
-        raise ValueError("chunked_backward_tree does not run under a DeepSpeed engine yet; use compute_logps_tree")
+        raise ValueError(
+            "chunked_backward_tree does not run under a DeepSpeed engine (its node calls back-propagate one by one, "
+            "which the engine's step-wise backward does not support here); use compute_logps_tree and "
+            "engine.backward(loss)"
+        )
     prepared = prepare_model(model)
     if backend == "flex":
         resolve_attention_backend(backend, prepared.device)  # flex_attention's backward exists on CUDA only
     rows = check_tree_rows(input_ids, attention_mask, score_mask, model=prepared)
     trie = rows_trie(rows, merge_below)
-    walk = TreeWalk(prepared, trie, rows, float(temperature), return_entropy, driver, packed=backend == "flex")
+    agreement = call_agreement(model, lockstep, prepared, driver)
+    packed = backend == "flex"
+    walk = TreeWalk(prepared, trie, rows, float(temperature), return_entropy, driver, packed, agreement=agreement)
     num_rows, length = rows.score_mask.shape
     logps = torch.zeros(num_rows, length, device=prepared.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
@@ -98,6 +108,8 @@ def chunked_backward_tree(
                 entropy[chunk] = chunk_out.entropy.detach()
             del chunk_out, loss
             walk.finish_rows(chunk)
+        if agreement is not None:
+            agreement.finish()
         driver.finish()
     finally:
         driver.close()

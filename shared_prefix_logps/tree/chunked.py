@@ -19,6 +19,7 @@ from ..chunked import _backward_driver, _DeepSpeedBackward, _loss_without_grad
 from ..inputs import as_int, check_options
 from ..model import prepare_model
 from ..output import LogpsOutput
+from .engine_backward import NodeCallsThroughEngine
 from .inputs import check_tree_rows
 from .lockstep import call_agreement
 from .merge import merge_threshold, rows_trie
@@ -60,8 +61,9 @@ def chunked_backward_tree(
 
     Notes:
         Every chunk calls backward, and every node call once more; under DDP wrap the call in ``no_sync()`` except for
-        the step that synchronizes. DeepSpeed engines are refused: use ``compute_logps_tree`` and
-        ``engine.backward``.
+        the step that synchronizes. Pass a DeepSpeed engine itself (what ``deepspeed.initialize`` returns): node calls
+        back-propagate through ``engine.backward``, and the call ends at the engine's accumulation boundary, as one
+        ``engine.backward`` would.
     """
     check_options(temperature, backend)
     if backend not in ("auto", "expand", "flex"):
@@ -75,13 +77,9 @@ def chunked_backward_tree(
     if not torch.is_grad_enabled():
         raise RuntimeError("chunked_backward_tree runs backward passes; call it with gradients enabled")
     driver = _backward_driver(model)
-    if isinstance(driver, _DeepSpeedBackward):
-        raise ValueError(
-            "chunked_backward_tree does not run under a DeepSpeed engine (its node calls back-propagate one by one, "
-            "which the engine's step-wise backward does not support here); use compute_logps_tree and "
-            "engine.backward(loss)"
-        )
     prepared = prepare_model(model)
+    if isinstance(driver, _DeepSpeedBackward):
+        driver = NodeCallsThroughEngine(driver, prepared)
     if backend == "flex":
         resolve_attention_backend(backend, prepared.device)  # flex_attention's backward exists on CUDA only
     rows = check_tree_rows(input_ids, attention_mask, score_mask, model=prepared)

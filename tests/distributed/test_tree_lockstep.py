@@ -29,7 +29,7 @@ from support.tiny_models import build_model
 
 from shared_prefix_logps import chunked_backward_tree, compute_logps_tree
 from shared_prefix_logps.tree.inputs import check_tree_rows
-from shared_prefix_logps.tree.merge import rows_trie
+from shared_prefix_logps.tree.merge import MERGE_BELOW_SAVED_TOKENS, rows_trie
 from shared_prefix_logps.tree.plan import levels
 
 
@@ -50,11 +50,12 @@ def _pad(rows: list[list[int]]):
 
 def _rows(rank: int, scenario: str):
     """Each rank's rows. ``same``: the same trie shape on both ranks (a system prompt, two prompts, completions, a
-    row that is a prefix of another: 4 depths unmerged). ``different``: rank 1 has 3 rows of 2 depths instead."""
+    row that is a prefix of another: 4 depths unmerged). ``different`` and ``merged``: rank 1 has 3 rows of 2 depths
+    instead."""
     base = 1 + 40 * rank
     system = list(range(base, base + 5))
     prompts = [[base + 10, base + 11], [base + 12, base + 13, base + 14]]
-    if scenario == "different" and rank == 1:
+    if scenario in ("different", "merged") and rank == 1:
         return _pad([system + [base + 20, base + 21], system + [base + 22], [base + 30, base + 31, base + 32]])
     return _pad(
         [
@@ -83,8 +84,10 @@ def _loss_fn(shape):
     return loss
 
 
-# Unmerged, so that each rank's trie depths are what the rows say (the tiny-node rule would flatten these rows).
-OPTIONS = dict(return_entropy=True, merge_tiny_nodes=False)
+def _options(scenario: str) -> dict:
+    """Unmerged, so that each rank's trie depths are what the rows say, but in ``merged`` (the ``different`` rows with
+    the tiny-node rule, which flattens them to 2 depths on rank 0 and 1 on rank 1)."""
+    return dict(return_entropy=True, merge_tiny_nodes=scenario == "merged")
 
 
 def _worker(rank, port, results, engine, scenario):
@@ -93,7 +96,7 @@ def _worker(rank, port, results, engine, scenario):
         model = build_model("llama", tied=False)
         names = [name for name, _ in model.named_parameters()]
         ids, mask, score = _rows(rank, scenario)
-        loss = _loss_fn(ids.shape)
+        loss, options = _loss_fn(ids.shape), _options(scenario)
         if engine == "ddp":
             wrapped = torch.nn.parallel.DistributedDataParallel(model)
         else:
@@ -101,14 +104,14 @@ def _worker(rank, port, results, engine, scenario):
         record = {}
         with torch.no_grad():  # rank 0 in chunks of a small token budget: more forwards than rank 1's
             budget = 8 if rank == 0 else None
-            record["scored"] = compute_logps_tree(wrapped, ids, mask, score, token_budget=budget, **OPTIONS).logps
+            record["scored"] = compute_logps_tree(wrapped, ids, mask, score, token_budget=budget, **options).logps
         if engine != "ddp":
-            out = compute_logps_tree(wrapped, ids, mask, score, **OPTIONS)
+            out = compute_logps_tree(wrapped, ids, mask, score, **options)
             loss(out).backward()
             record["logps"] = out.logps.detach()
             record["grads"] = full_gradients(engine, wrapped, names)
             wrapped.zero_grad(set_to_none=True)
-        out = chunked_backward_tree(wrapped, ids, mask, score, loss, rows_per_chunk=1, **OPTIONS)
+        out = chunked_backward_tree(wrapped, ids, mask, score, loss, rows_per_chunk=1, **options)
         record["chunked"] = out.logps
         record["chunked_grads"] = full_gradients(engine, wrapped, names)
         results[rank] = record
@@ -141,23 +144,23 @@ def _zero3_worker(rank, port, results, scenario, accumulation):
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         params = dict(engine.module.named_parameters())
         ids, mask, score = _rows(rank, scenario)
-        loss = _loss_fn(ids.shape)
+        loss, options = _loss_fn(ids.shape), _options(scenario)
         record = {}
         with torch.no_grad():
             budget = 8 if rank == 0 else None
-            record["scored"] = compute_logps_tree(engine, ids, mask, score, token_budget=budget, **OPTIONS).logps
+            record["scored"] = compute_logps_tree(engine, ids, mask, score, token_budget=budget, **options).logps
         full_grads = lambda: {name: safe_get_full_grad(params[name]).detach().clone() for name in names}  # noqa: E731
         # Each micro-batch the same rows: at the boundary ZeRO's mean over micro-batches and ranks is the ranks' mean.
         for _ in range(accumulation):
-            out = compute_logps_tree(engine, ids, mask, score, **OPTIONS)
+            out = compute_logps_tree(engine, ids, mask, score, **options)
             engine.backward(loss(out))
             record["logps"], record["grads"] = out.logps.detach(), full_grads()
             engine.step()  # lr 0: parameters unchanged; gradients cleared at the boundary
         # The engine's own module would take backward passes that ZeRO cannot accumulate.
         with pytest.raises(ValueError, match="pass the engine itself"):
-            chunked_backward_tree(engine.module, ids, mask, score, loss, **OPTIONS)
+            chunked_backward_tree(engine.module, ids, mask, score, loss, **options)
         for _ in range(accumulation):
-            out = chunked_backward_tree(engine, ids, mask, score, loss, rows_per_chunk=1, **OPTIONS)
+            out = chunked_backward_tree(engine, ids, mask, score, loss, rows_per_chunk=1, **options)
             record["chunked"], record["chunked_grads"] = out.logps, full_grads()
             engine.step()
         results[rank] = record
@@ -208,13 +211,15 @@ def test_the_scenarios_differ_in_trie_depth():
         for rank in range(2):
             rows = check_tree_rows(*_rows(rank, scenario), model=prepared)
             depths[scenario, rank] = len(levels(rows_trie(rows, 0)))
+            depths["merged", rank] = len(levels(rows_trie(rows, MERGE_BELOW_SAVED_TOKENS)))
     assert depths["same", 0] == depths["same", 1] == 4
     assert depths["different", 0] == 4 and depths["different", 1] == 2
+    assert depths["merged", 0] == 2 and depths["merged", 1] == 1
 
 
 @pytest.mark.parametrize(
     "engine, scenario",
-    [("fsdp1", "same"), ("fsdp1", "different"), ("fsdp2", "different"), ("ddp", "different")],
+    [("fsdp1", "same"), ("fsdp1", "different"), ("fsdp2", "different"), ("fsdp2", "merged"), ("ddp", "different")],
 )
 def test_tree_entry_points_stay_in_step_and_exact(engine, scenario):
     results = mp.Manager().dict()

@@ -5,16 +5,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..distributed.lockstep import Lockstep, call_lockstep
 from ..inputs import check_options
 from ..model import PreparedModel, prepare_model
 from ..moe_router import RouterStats, router_spec
 from ..output import LogpsOutput
 from ..token_budget import DEFAULT_TOKEN_BUDGET
+from . import merge
 from .dense import dense_tree_logps
 from .forward import forward_call
 from .inputs import TreeRows, check_tree_rows
+from .lockstep import one_token_zero
+from .merge import merge_threshold, rows_trie
 from .plan import CallPlanner, levels, scored_pairs
-from .trie import build_trie
 from .walk import TreeWalk
 
 
@@ -29,6 +32,8 @@ def compute_logps_tree(
     backend: str = "auto",
     token_budget: int | None = None,
     return_router_stats: bool = False,
+    merge_tiny_nodes: bool = True,
+    lockstep: bool | None = None,
 ) -> LogpsOutput:
     """Per-token log-probs of rows that share prefixes at any depth, each shared prefix forwarded once.
 
@@ -56,18 +61,33 @@ def compute_logps_tree(
         return_router_stats: MoE models with a router aux loss: also return each row's router statistics over its
             real tokens (``out.router``; ``out.router.aux_loss()`` equals the model's own ``aux_loss`` of the rows'
             dense forward), each shared token weighted by the number of rows that contain it. Not with ``dense``.
+        merge_tiny_nodes: merge into their children the trie nodes whose sharing saves fewer tokens than a node
+            call costs (:mod:`~shared_prefix_logps.tree.merge`); the results are the same either way.
+        lockstep: as for :func:`~shared_prefix_logps.compute_logps`: by default, under DDP, FSDP or DeepSpeed with
+            several processes, processes whose tries differ make the same model calls: no-grad calls are joined,
+            grad-enabled ones agree on the number of trie depths (:mod:`~shared_prefix_logps.tree.lockstep`).
 
     Returns:
         :class:`LogpsOutput` with (N, L) float32 ``logps`` (and ``entropy``), 0 where not scored, and ``mask`` =
         ``score_mask``.
     """
     check_options(temperature, backend, token_budget)
+    merge_below = merge_threshold(merge_tiny_nodes)
     if return_router_stats and backend == "dense":
         raise ValueError("return_router_stats needs the shared path; the dense forward returns the model's aux_loss")
     prepared = prepare_model(model)
     router = router_spec(prepared.causal_lm) if return_router_stats else None
     rows = check_tree_rows(input_ids, attention_mask, score_mask, model=prepared)
     temperature = float(temperature)
+    steps = call_lockstep(model, lockstep, prepared.device)
+    if steps is not None and not torch.is_grad_enabled():
+        with steps.forwards(prepared.outer):
+            return _score(prepared, rows, temperature, return_entropy, backend, token_budget, router, merge_below)
+    return _score(prepared, rows, temperature, return_entropy, backend, token_budget, router, merge_below, steps)
+
+
+def _score(prepared, rows, temperature, return_entropy, backend, token_budget, router, merge_below, steps=None):
+    """:func:`compute_logps_tree` on validated arguments; ``steps``: the grad-enabled agreement, if any."""
     if backend == "dense":
         logps, entropy = dense_tree_logps(prepared, rows, temperature=temperature, return_entropy=return_entropy)
         return LogpsOutput(logps, entropy, rows.score_mask)
@@ -84,6 +104,8 @@ def compute_logps_tree(
         token_budget=token_budget,
         packed=backend == "flex",
         router=router,
+        merge_below=merge_below,
+        lockstep=steps,
     )
 
 
@@ -96,16 +118,31 @@ def score_tree_rows(
     token_budget: int | None,
     packed: bool = False,
     router: tuple[int, int] | None = None,
+    merge_below: int | None = None,
+    lockstep: Lockstep | None = None,
 ) -> LogpsOutput:
     """The tree pass over validated ``rows`` (``packed``: the flex layout, else expand): one forward per trie depth
     with gradients, the depth-first walk within ``token_budget`` without; (N, L) outputs as
     :func:`compute_logps_tree` returns them. ``router``: ``(num_experts, top_k)`` to also return each row's router
-    statistics over its real tokens (``out.router``)."""
-    trie = build_trie(rows.justified(), rows.lengths)
+    statistics over its real tokens (``out.router``). ``merge_below``: the tiny-node rule's threshold
+    (:func:`~.merge.rows_trie`; 0 merges nothing; None: :data:`~.merge.MERGE_BELOW_SAVED_TOKENS`).
+    ``lockstep``: with gradients, the processes agree on the number of trie depths first, and this one makes a
+    one-token forward for each depth it lacks, whose zero joins the result (see :mod:`.lockstep`)."""
+    if merge_below is None:
+        merge_below = merge.MERGE_BELOW_SAVED_TOKENS
+    trie = rows_trie(rows, merge_below)
     pairs = scored_pairs(trie, rows)
     logps = torch.zeros(rows.score_mask.shape, device=prepared.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
     top_k = None if router is None else router[1]
+    depths = levels(trie)
+    if lockstep is not None and torch.is_grad_enabled():
+        missing = lockstep.max(len(depths)) - len(depths)
+        zeros = [zero for zero in (one_token_zero(prepared) for _ in range(missing)) if zero.requires_grad]
+        if zeros:  # the caller's backward reaches these forwards too, as the other processes' reaches theirs
+            padding = torch.stack(zeros).sum()
+            logps = logps + padding
+            entropy = None if entropy is None else entropy + padding
     if trie.num_nodes == 0 or (pairs.target.numel() == 0 and not torch.is_grad_enabled() and router is None):
         out = LogpsOutput(logps, entropy, rows.score_mask)
         if router is not None:
@@ -115,7 +152,7 @@ def score_tree_rows(
         return _walk_without_grad(prepared, trie, rows, temperature, return_entropy, token_budget, packed, router)
     planner = CallPlanner(trie, pairs)
     stores, pair_ids, pair_logps, pair_entropy, node_router = [], [], [], [], []
-    for nodes in levels(trie):
+    for nodes in depths:
         call = planner.plan(nodes)
         context = forward_call(
             prepared,

@@ -19,8 +19,10 @@ from ..chunked import _backward_driver, _DeepSpeedBackward, _loss_without_grad
 from ..inputs import as_int, check_options
 from ..model import prepare_model
 from ..output import LogpsOutput
+from .engine_backward import NodeCallsThroughEngine
 from .inputs import check_tree_rows
-from .trie import build_trie
+from .lockstep import call_agreement
+from .merge import merge_threshold, rows_trie
 from .walk import TreeWalk
 
 
@@ -35,12 +37,14 @@ def chunked_backward_tree(
     temperature: float = 1.0,
     return_entropy: bool = False,
     backend: str = "auto",
+    merge_tiny_nodes: bool = True,
+    lockstep: bool | None = None,
 ) -> LogpsOutput:
     """Run forward and backward of ``loss_fn`` over chunks of rows of a prefix tree; parameters' ``.grad``
     accumulate the gradient of ``sum(loss_fn(chunk) for chunk)``, as one graph over all rows would give.
 
     Args:
-        model, input_ids, attention_mask, score_mask, temperature, return_entropy: as for
+        model, input_ids, attention_mask, score_mask, temperature, return_entropy, merge_tiny_nodes: as for
             :func:`~shared_prefix_logps.compute_logps_tree`.
         loss_fn: ``loss_fn(chunk_out, rows) -> scalar tensor``; ``chunk_out`` a differentiable :class:`LogpsOutput`
             of the chunk's rows, (len(rows), L); ``rows`` (len(rows),) int64 their indices in ``input_ids``.
@@ -48,35 +52,41 @@ def chunked_backward_tree(
         rows_per_chunk: rows per chunk, taken in the depth-first order of the trie (rows that share the most come
             together); memory holds the paths of one chunk's rows.
         backend: ``"auto"``/``"expand"`` or ``"flex"`` (CUDA only: torch's flex_attention has no CPU backward).
+        lockstep: as for :func:`~shared_prefix_logps.compute_logps`: by default, under DDP or FSDP with several
+            processes, every node forward and backward is agreed with the other processes first, so that processes
+            with different tries make the same model calls (:mod:`~shared_prefix_logps.tree.lockstep`).
 
     Returns:
         The detached :class:`LogpsOutput` of all rows, (N, L).
 
     Notes:
         Every chunk calls backward, and every node call once more; under DDP wrap the call in ``no_sync()`` except for
-        the step that synchronizes. Under FSDP (whose collectives are matched by order) every process must make the
-        same node calls: rows whose tries have the same shape on every process. DeepSpeed engines are not supported
-        here yet.
+        the step that synchronizes. Pass a DeepSpeed engine itself (what ``deepspeed.initialize`` returns): node calls
+        back-propagate through ``engine.backward``, and the call ends at the engine's accumulation boundary, as one
+        ``engine.backward`` would.
     """
     check_options(temperature, backend)
     if backend not in ("auto", "expand", "flex"):
         raise ValueError(f"chunked_backward_tree supports backend 'auto', 'expand' or 'flex', got {backend!r}")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    merge_below = merge_threshold(merge_tiny_nodes)
     rows_per_chunk = as_int("rows_per_chunk", rows_per_chunk)
     if rows_per_chunk < 1:
         raise ValueError(f"rows_per_chunk must be at least 1, got {rows_per_chunk}")
     if not torch.is_grad_enabled():
         raise RuntimeError("chunked_backward_tree runs backward passes; call it with gradients enabled")
     driver = _backward_driver(model)
-    if isinstance(driver, _DeepSpeedBackward):
-        raise ValueError("chunked_backward_tree does not run under a DeepSpeed engine yet; use compute_logps_tree")
     prepared = prepare_model(model)
+    if isinstance(driver, _DeepSpeedBackward):
+        driver = NodeCallsThroughEngine(driver, prepared)
     if backend == "flex":
         resolve_attention_backend(backend, prepared.device)  # flex_attention's backward exists on CUDA only
     rows = check_tree_rows(input_ids, attention_mask, score_mask, model=prepared)
-    trie = build_trie(rows.justified(), rows.lengths)
-    walk = TreeWalk(prepared, trie, rows, float(temperature), return_entropy, driver, packed=backend == "flex")
+    trie = rows_trie(rows, merge_below)
+    agreement = call_agreement(model, lockstep, prepared, driver)
+    packed = backend == "flex"
+    walk = TreeWalk(prepared, trie, rows, float(temperature), return_entropy, driver, packed, agreement=agreement)
     num_rows, length = rows.score_mask.shape
     logps = torch.zeros(num_rows, length, device=prepared.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
@@ -96,6 +106,8 @@ def chunked_backward_tree(
                 entropy[chunk] = chunk_out.entropy.detach()
             del chunk_out, loss
             walk.finish_rows(chunk)
+        if agreement is not None:
+            agreement.finish()
         driver.finish()
     finally:
         driver.close()

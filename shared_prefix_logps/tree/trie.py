@@ -94,28 +94,46 @@ def build_trie(rows: torch.Tensor, lengths: torch.Tensor) -> PrefixTrie:
     rows = rows.detach().to("cpu", torch.long)
     lengths = lengths.detach().to("cpu", torch.long)
     num_rows = rows.shape[0]
-    offsets, node_lengths, starts, parents, depths, row_end = [], [], [], [], [], [-1] * num_rows
-    token_runs = []
+    starts, parents, row_end, token_runs = [], [], [-1] * num_rows, []
     # Depth-first, pre-order: a stack of (rows of the node to build, its start position, parent, depth). Children
     # are pushed in reverse token order so they are numbered in ascending first-token order.
     stack = _children(rows, lengths, torch.arange(num_rows)[lengths > 0], 0, -1, 0)[::-1]
-    total = 0
     while stack:
         members, start, parent, depth = stack.pop()
         end = _common_end(rows, lengths, members, start)
-        node = len(offsets)
-        offsets.append(total)
-        node_lengths.append(end - start)
+        node = len(token_runs)
         starts.append(start)
         parents.append(parent)
-        depths.append(depth + 1)
         token_runs.append(rows[members[0], start:end])
-        total += end - start
         ending = lengths[members] == end
         for row in members[ending].tolist():
             row_end[row] = node
         stack.extend(_children(rows, lengths, members[~ending], end, node, depth + 1)[::-1])
-    num_nodes = len(offsets)
+    return assemble_trie(token_runs, starts, parents, row_end, lengths)
+
+
+def assemble_trie(
+    token_runs: list[torch.Tensor], starts: list[int], parents: list[int], row_end: list[int], lengths: torch.Tensor
+) -> PrefixTrie:
+    """A :class:`PrefixTrie` from its nodes listed in depth-first pre-order.
+
+    Args:
+        token_runs: each node's tokens, (node length,) int64, at least one.
+        starts: each node's position of its first token in its rows; parents: each node's parent (-1 at the top,
+            always an earlier node).
+        row_end: the node where each row ends (-1 for an empty row); lengths: (rows,) int64 real tokens per row,
+            the length of the row's path.
+    """
+    num_rows = len(row_end)
+    num_nodes = len(token_runs)
+    node_lengths = [int(run.numel()) for run in token_runs]
+    offsets = [0] * num_nodes
+    depths = [1] * num_nodes
+    for node in range(1, num_nodes):
+        offsets[node] = offsets[node - 1] + node_lengths[node - 1]
+    for node in range(num_nodes):
+        if parents[node] >= 0:
+            depths[node] = depths[parents[node]] + 1
     parent = torch.tensor(parents, dtype=torch.long)
     subtree_end = torch.arange(1, num_nodes + 1)
     for node in range(num_nodes - 1, -1, -1):  # children have larger numbers: fold ends upwards

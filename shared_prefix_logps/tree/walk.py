@@ -53,11 +53,24 @@ class TreeWalk:
 
     ``driver`` runs the backward passes (see ``chunked._backward_driver``); None without gradients. ``packed``
     selects the flex layout of node calls; with ``router_top_k`` each node call's router statistics per node are
-    kept in ``node_router``.
+    kept in ``node_router``. ``agreement`` (a :class:`~.lockstep.CallAgreement`, with gradients only) keeps every
+    node forward and backward in step with the other processes'.
     """
 
-    def __init__(self, prepared, trie, rows, temperature, return_entropy, driver, packed=False, router_top_k=None):
+    def __init__(
+        self,
+        prepared,
+        trie,
+        rows,
+        temperature,
+        return_entropy,
+        driver,
+        packed=False,
+        router_top_k=None,
+        agreement=None,
+    ):
         self.prepared, self.trie, self.rows, self.driver, self.packed = prepared, trie, rows, driver, packed
+        self.agreement = agreement
         self.router_top_k = router_top_k
         self.node_router: list = []  # (nodes, their router statistics) per node call, when requested
         self.temperature, self.return_entropy = temperature, return_entropy
@@ -140,6 +153,8 @@ class TreeWalk:
         return LogpsOutput(logps, entropy, score)
 
     def _forward(self, nodes: list[int]) -> None:
+        if self.agreement is not None:
+            self.agreement.before_forward()
         call = self.planner.plan(nodes)
         call_id = len(self.planner.call_sizes) - 1
         for source in call.sources:
@@ -189,7 +204,9 @@ class TreeWalk:
             if output.requires_grad and leaf.grad is not None:
                 tensors.append(output)
                 grads.append(leaf.grad)
-        if tensors:
+        if self.agreement is not None:
+            self.agreement.backward(tensors, grads)  # also without tensors: the other processes' backward is paired
+        elif tensors:
             self.driver.tensors(tensors, grads)
         for source in live.context.call.sources:
             self.calls[source].users.discard(call_id)

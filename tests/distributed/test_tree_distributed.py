@@ -1,8 +1,8 @@
 """Two-process gloo DDP and FSDP2: ``chunked_backward_tree`` and ``compute_logps_tree`` through the wrapped model give
 the dense path's gradients (local ones under DDP's ``no_sync``, the two ranks' average under FSDP2).
 
-Each rank has its own rows, of the same trie shape (FSDP's collectives are matched by order, so both ranks must make
-the same node calls): a system prompt, two prompts below it, completions below those, one row a prefix of another.
+Each rank has its own rows, of the same trie shape: a system prompt, two prompts below it, completions below those,
+one row a prefix of another. (Tries of different shapes, FSDP1 and ZeRO-3: test_tree_lockstep.py.)
 """
 
 from __future__ import annotations

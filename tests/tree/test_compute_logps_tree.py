@@ -7,6 +7,7 @@ from support.tiny_models import build_model
 from support.trees import pad_rows, random_tree_rows
 
 from shared_prefix_logps import compute_logps_tree
+from shared_prefix_logps.tree.merge import MERGE_BELOW_SAVED_TOKENS, merge_tiny_nodes
 from shared_prefix_logps.tree.trie import build_trie
 
 TREE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "qwen3_moe")
@@ -68,8 +69,11 @@ def test_checkpointing_and_long_windows():
 
 
 def test_tokens_forwarded_are_the_unique_tokens():
-    """A forward pre-hook on the input embeddings counts what the model embeds: the trie's unique tokens, fewer than
-    the dense rows' real tokens, within the bound of unique tokens plus one boundary token per node."""
+    """A forward pre-hook on the input embeddings counts what the model embeds. Without merging: the trie's unique
+    tokens, within the bound of unique tokens plus one boundary token per node. With the tiny-node rule: the merged
+    trie's tokens, which count each merged node's tokens once per node that received them, so the bound holds for
+    the merged trie's nodes, and exceeds the unique tokens by less than the rule's threshold per merged node; both
+    fewer than the dense rows' real tokens."""
     model = build_model("qwen2")
     rows = random_tree_rows(7, depth=4, branching=3)
     ids, mask, score = pad_rows(rows, 7)
@@ -77,14 +81,17 @@ def test_tokens_forwarded_are_the_unique_tokens():
         compute_logps_tree(model, ids, mask, score)  # the model's first call checks its head with a forward of its own
     counted = []
     handle = model.get_input_embeddings().register_forward_pre_hook(lambda _, args: counted.append(args[0].numel()))
-    try:
-        with torch.no_grad():
-            compute_logps_tree(model, ids, mask, score)
-        tree_tokens = sum(counted)
+
+    def forwarded(**kwargs):
         counted.clear()
         with torch.no_grad():
-            compute_logps_tree(model, ids, mask, score, backend="dense")
-        dense_tokens = sum(counted)
+            compute_logps_tree(model, ids, mask, score, **kwargs)
+        return sum(counted)
+
+    try:
+        unique_tokens = forwarded(merge_tiny_nodes=False)
+        merged_tokens = forwarded()
+        dense_tokens = forwarded(backend="dense")
     finally:
         handle.remove()
     lengths = mask.sum(1)
@@ -92,9 +99,15 @@ def test_tokens_forwarded_are_the_unique_tokens():
     for i, row in enumerate(rows):
         justified[i, : len(row)] = torch.tensor(row)
     trie = build_trie(justified, lengths)
-    assert tree_tokens <= trie.num_tokens + trie.num_nodes
-    assert tree_tokens == trie.num_tokens
-    assert tree_tokens < int(lengths.sum()) <= dense_tokens
+    assert unique_tokens <= trie.num_tokens + trie.num_nodes
+    assert unique_tokens == trie.num_tokens
+    merged = merge_tiny_nodes(trie)
+    num_merged = trie.num_nodes - merged.num_nodes
+    assert num_merged >= 3  # the rule merged something here
+    assert merged_tokens <= merged.num_tokens + merged.num_nodes
+    assert merged_tokens == merged.num_tokens
+    assert unique_tokens < merged_tokens < unique_tokens + num_merged * MERGE_BELOW_SAVED_TOKENS
+    assert merged_tokens < int(lengths.sum()) <= dense_tokens
 
 
 def test_nothing_scored_with_grad_backpropagates_zero():

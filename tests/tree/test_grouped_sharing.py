@@ -8,7 +8,7 @@ from support.tiny_models import build_model
 from shared_prefix_logps import api, compute_logps, compute_logps_concatenated
 from shared_prefix_logps.inputs import split_concatenated
 from shared_prefix_logps.model import prepare_model
-from shared_prefix_logps.tree import grouped
+from shared_prefix_logps.tree import grouped, merge
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -65,10 +65,16 @@ def test_shared_system_prompt_matches_dense_and_embeds_fewer_tokens(family, monk
     assert grad_err < 1e-4
 
     deeper = _embedded_tokens(model, lambda: compute_logps_concatenated(model, ids, mask, keep))
+    monkeypatch.setattr(merge, "MERGE_BELOW_SAVED_TOKENS", 0)
+    unmerged = _embedded_tokens(model, lambda: compute_logps_concatenated(model, ids, mask, keep))
     monkeypatch.setattr(grouped, "DEEPER_SHARING_MIN_TOKENS", 10**9)  # one-level sharing, as before
     one_level = _embedded_tokens(model, lambda: compute_logps_concatenated(model, ids, mask, keep))
     # The system prompt is embedded once instead of once per prompt.
-    assert deeper <= one_level - 2 * (SYSTEM_LEN - 1), (deeper, one_level)
+    assert unmerged <= one_level - 2 * (SYSTEM_LEN - 1), (unmerged, one_level)
+    # The tiny-node rule merges each prompt's own 3 + p tokens (saving 2 * (3 + p) < its threshold) into its 3
+    # completions: they are embedded 3 times instead of once, and the system prompt still once.
+    assert deeper == unmerged + sum(2 * (3 + p) for p in range(3)), (deeper, unmerged)
+    assert deeper < one_level - (SYSTEM_LEN - 1), (deeper, one_level)
 
 
 def test_compute_logps_shares_the_system_prompt_too():

@@ -29,12 +29,13 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 HEAD_DIM = 8  # the tiny models' head size; the priority probe's own call has 64
 
 
-def spied_tree_pass(monkeypatch, model, ids, mask, score, sdpa=None):
-    """Calls of the library's tree pass (forward with gradients, then backward) to SDPA, and the output."""
+def spied_tree_pass(monkeypatch, model, ids, mask, score, sdpa=None, **options):
+    """Calls of the library's tree pass (forward with gradients, then backward) to SDPA, and the output;
+    ``options`` go to ``compute_logps_tree``."""
     spy = SdpaCalls(sdpa or torch.nn.functional.scaled_dot_product_attention)
     with monkeypatch.context() as patch:
         patch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-        out = compute_logps_tree(model, ids, mask, score, return_entropy=True)
+        out = compute_logps_tree(model, ids, mask, score, return_entropy=True, **options)
         out.logps.sum().backward()
     model.zero_grad(set_to_none=True)
     return [call for call in spy.calls if call["head_dim"] == HEAD_DIM]
@@ -75,7 +76,8 @@ def test_every_tree_mask_handed_to_sdpa_has_aligned_rows_and_results_are_exact(f
 def test_root_call_of_a_shared_prompt_runs_causal_without_mask(monkeypatch):
     layers = 2
     model = build_model("llama", layers=layers)
-    calls = spied_tree_pass(monkeypatch, model, *shared_prompt_rows(12, [3, 5, 4]))
+    # Unmerged: the 12-token prompt saves 24 tokens, fewer than the tiny-node rule's threshold, and would be merged.
+    calls = spied_tree_pass(monkeypatch, model, *shared_prompt_rows(12, [3, 5, 4]), merge_tiny_nodes=False)
     root = [call for call in calls if call["key_len"] == 12]
     children = [call for call in calls if call["key_len"] == 12 + 5]  # ancestors + the longest child
     assert len(root) == 2 * layers and len(children) == 2 * layers  # forward and backward's recomputation

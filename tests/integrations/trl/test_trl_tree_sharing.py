@@ -16,7 +16,7 @@ if version("trl").startswith("1.15.") and not torch.cuda.is_available() and os.e
 from support.trl_tiny import make_trainer  # noqa: E402
 
 from shared_prefix_logps.integrations.trl import patch_grpo_trainer  # noqa: E402
-from shared_prefix_logps.tree import grouped  # noqa: E402
+from shared_prefix_logps.tree import grouped, merge  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -54,6 +54,8 @@ def _embedded(model, fn):
 
 
 def test_shared_system_prompt_embeds_fewer_tokens_with_the_unpatched_numbers(tmp_path, monkeypatch):
+    # The trie's own count: the tiny-node rule would merge each 3-5-token prompt into its two rows (tests/tree).
+    monkeypatch.setattr(merge, "MERGE_BELOW_SAVED_TOKENS", 0)
     trainer = make_trainer(tmp_path, temperature=0.7)
     input_ids, attention_mask, keep = _batch(trainer)
     expected = trainer._get_per_token_logps_and_entropies(

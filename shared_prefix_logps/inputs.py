@@ -163,7 +163,8 @@ def _as_id_tensor(name: str, value, device) -> tuple[torch.Tensor, torch.Tensor 
     return None, rows
 
 
-def _check_mask(name: str, mask, shape, device) -> torch.Tensor:
+def check_mask(name: str, mask, shape, device) -> torch.Tensor:
+    """``mask`` as a bool tensor on ``device``: a tensor of ``shape``, bool or integer 0/1; errors name ``name``."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(mask).__name__}")
     if tuple(mask.shape) != tuple(shape):
@@ -223,7 +224,7 @@ def normalize_prompts(
         mask = (
             torch.ones_like(ids, dtype=torch.bool)
             if prompt_mask is None
-            else _check_mask(mask_name, prompt_mask, ids.shape, device)
+            else check_mask(mask_name, prompt_mask, ids.shape, device)
         )
         if not mask[:, -1].all():
             bad = int((~mask[:, -1]).nonzero()[0])
@@ -254,7 +255,7 @@ def normalize_completions(
         mask = (
             torch.ones_like(ids, dtype=torch.bool)
             if completion_mask is None
-            else _check_mask(mask_name, completion_mask, ids.shape, device)
+            else check_mask(mask_name, completion_mask, ids.shape, device)
         )
         if (mask[:, 1:] > mask[:, :-1]).any():
             bad = int((mask[:, 1:] > mask[:, :-1]).any(1).nonzero()[0])
@@ -319,7 +320,7 @@ def split_concatenated(input_ids, attention_mask, logits_to_keep, *, model) -> G
         )
     if attention_mask is None:
         raise ValueError("attention_mask is required: masks come from attention masks, never from token ids")
-    mask = _check_mask("attention_mask", attention_mask, ids.shape, device)
+    mask = check_mask("attention_mask", attention_mask, ids.shape, device)
     check_rope_length(model, ids.shape[1])
     split = ids.shape[1] - logits_to_keep
     # Errors name the caller's arguments and the columns they are about: the prompt part is everything before the

@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from .api import packed_layout, resolve_attention_backend
+from .batch_plan import placeholder_chunk, plan_generation_chunks
 from .distributed.backward_driver import backward_chunk_loss, backward_driver
 from .distributed.lockstep import call_lockstep, placeholder_prefix
 from .forward.context import CaptureContext
-from .inputs import GroupedBatch, as_int, check_options, group_batch
+from .inputs import as_int, check_options, group_batch
 from .model import prepare_model
 from .moe_router import RouterStats, router_spec
 from .output import LogpsOutput, result_zeros, write_rows
@@ -106,26 +107,30 @@ def chunked_backward(
         raise ValueError(f"generations_per_chunk must be in [1, G={generations}], got {generations_per_chunk}")
     backend = resolve_attention_backend(backend, prepared.device)
     packed = packed_layout(backend)
-    num_experts, top_k = router_spec(prepared.causal_lm) if return_router_stats else (0, None)
+    router = router_spec(prepared.causal_lm) if return_router_stats else None
+    num_experts, top_k = router if router is not None else (0, None)
+    plan = plan_generation_chunks(batch, generations_per_chunk, backend=backend, router=router)
+    row_chunks = plan.row_chunks()
 
     steps = call_lockstep(model, lockstep, prepared.device)
     logps = result_zeros(rows, length, device=batch.completion_ids.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
-    starts = torch.arange(num_prompts, device=logps.device) * generations
     # With no valid token anywhere, autograd of the summed losses still gives every parameter a zero gradient (and
     # optimizers such as Adam step on it): the chunks then run anyway so that backward reaches every parameter.
     # (Router statistics count the prompt tokens of rows without a valid completion token too: every chunk runs.)
     # In lockstep every chunk runs, so that each process forwards and back-propagates as often as the others.
-    score_empty = not batch.completion_mask.any() or top_k is not None or steps is not None
-    firsts = range(0, generations, generations_per_chunk)
+    score_empty = not plan.has_valid or top_k is not None or steps is not None
     routed_rows, routed = [], []
     try:
         backward.begin()
-        has_prefix = bool(batch.prompt_mask[:, :-1].any())
-        chunks = len(firsts)
+        has_prefix = plan.has_prefix
+        chunks = len(row_chunks)
         padding = None  # a placeholder Phase 1's zero (lockstep: another process has a prompt prefix, this one none)
+        placeholder = None  # the chunk made in place of another process's (lockstep: it has more chunks)
         if steps is not None:
             any_prefix, chunks = steps.max_all([has_prefix, chunks])
+            if chunks > len(row_chunks):
+                placeholder = placeholder_chunk(batch)
             if any_prefix and not has_prefix:
                 padding = placeholder_prefix(prepared, packed=packed, router_top_k=top_k)
         capture = capture_prefix(prepared, batch.prompt_ids, batch.prompt_mask, packed=packed, router_top_k=top_k)
@@ -136,13 +141,11 @@ def chunked_backward(
             prompt_backward = steps.any(prompt_backward)
         for chunk in range(chunks):
             last = not prompt_backward and chunk == chunks - 1
-            if chunk >= len(firsts):  # lockstep: another process has more chunks (a larger G)
-                _backward_placeholder_chunk(backward, prepared, batch, leaves, packed, top_k, num_experts, last)
+            if chunk >= len(row_chunks):  # lockstep: another process has more chunks (a larger G)
+                _backward_placeholder_chunk(backward, prepared, placeholder, leaves, packed, top_k, num_experts, last)
                 continue
-            first = firsts[chunk]
-            offsets = torch.arange(first, min(first + generations_per_chunk, generations), device=logps.device)
-            chunk_rows = (starts[:, None] + offsets[None, :]).reshape(-1)
-            part = batch.select_rows(chunk_rows)
+            part = row_chunks[chunk]
+            chunk_rows = part.rows
             chunk_out = _score_chunk(
                 prepared, part, leaves, length, temperature, return_entropy, packed, score_empty, top_k, num_experts
             )
@@ -155,7 +158,7 @@ def chunked_backward(
                 loss,
                 last=last,
                 chunk_rows=chunk_rows,
-                has_valid=bool(part.completion_mask.any()),
+                has_valid=part.has_valid,
                 logps_need_grad=chunk_out.logps.requires_grad,
             )
             if not ran and steps is not None and chunk_out.logps.requires_grad:
@@ -215,42 +218,37 @@ def _prompt_results(capture: CaptureContext) -> list[torch.Tensor]:
 def _score_chunk(
     prepared, part, leaves, length, temperature, return_entropy, packed, score_empty, top_k=None, num_experts=0
 ) -> LogpsOutput:
-    """Phase 2 on one chunk; (rows, C) float32 outputs padded back to the batch's C.
+    """Phase 2 on one :class:`~shared_prefix_logps.batch_plan.RowChunk` ``part``; (rows, C) float32 outputs padded
+    back to the batch's C = ``length``.
 
     A chunk without a valid token gets plain zeros (no forward) unless ``score_empty``: then it is forwarded too and
-    its zeros are connected to the model's graph (Phase 2 forwards at least one masked column per row for that).
+    its zeros are connected to the model's graph (the plan gives every chunk at least one masked column for that).
     With ``top_k`` (router statistics) the output carries the chunk rows' :class:`RouterStats`.
     """
-    chunk_rows = part.completion_ids.shape[0]
-    logps = result_zeros(chunk_rows, length, device=part.completion_ids.device)
+    batch = part.batch
+    chunk_rows = batch.completion_ids.shape[0]
+    logps = result_zeros(chunk_rows, length, device=batch.completion_ids.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
     stats = None
-    if score_empty or part.completion_mask.any():
+    if score_empty or part.has_valid:
         options = dict(temperature=float(temperature), return_entropy=return_entropy, packed=packed)
         if top_k is None:
-            values = score_rows(prepared, part.with_one_column(), leaves, **options)
+            values = score_rows(prepared, batch, leaves, **options)
         else:
-            *values, stats = score_rows_routed(prepared, part.with_one_column(), leaves, router_top_k=top_k, **options)
+            *values, stats = score_rows_routed(prepared, batch, leaves, router_top_k=top_k, **options)
         values = tuple(None if v is None else v[:, :length] for v in values)  # completions without any column
         write_rows(logps, entropy, torch.arange(chunk_rows, device=logps.device), values)
+    width = min(batch.completion_mask.shape[1], length)
     mask = torch.zeros(chunk_rows, length, dtype=torch.bool, device=logps.device)
-    mask[:, : part.completion_mask.shape[1]] = part.completion_mask
+    mask[:, :width] = batch.completion_mask[:, :width]
     router = None if stats is None else RouterStats(*stats, num_experts)
     return LogpsOutput(logps, entropy, mask, router)
 
 
-def _backward_placeholder_chunk(backward, prepared, batch, leaves, packed, top_k, num_experts, last: bool) -> None:
-    """A chunk's forward and backward in place of one another process makes (lockstep): the first prompt's rows,
-    every completion token masked, forwarded as a chunk and back-propagated with weight zero."""
-    rows = (batch.group_index == 0).nonzero().squeeze(1)
-    masked = GroupedBatch(
-        prompt_ids=batch.prompt_ids,
-        prompt_mask=batch.prompt_mask,
-        completion_ids=batch.completion_ids.new_zeros(rows.numel(), 1),
-        completion_mask=batch.completion_mask.new_zeros(rows.numel(), 1),
-        group_index=batch.group_index[rows],
-    )
-    out = _score_chunk(prepared, masked, leaves, 1, 1.0, False, packed, True, top_k, num_experts)
+def _backward_placeholder_chunk(backward, prepared, chunk, leaves, packed, top_k, num_experts, last: bool) -> None:
+    """A chunk's forward and backward in place of one another process makes (lockstep): ``chunk``
+    (:func:`~shared_prefix_logps.batch_plan.placeholder_chunk`) forwarded and back-propagated with weight zero."""
+    out = _score_chunk(prepared, chunk, leaves, 1, 1.0, False, packed, True, top_k, num_experts)
     if out.logps.requires_grad:
         backward.loss(out.logps.sum() * 0.0, last=last)
 

@@ -60,32 +60,21 @@ class GroupedBatch:
         """The same prompts with only completion ``rows``, trailing all-padding columns dropped (so the result's C
         can be shorter: callers write results back into the first columns).
 
-        One column is kept even when no row has a valid token (if the batch has a column): a grad-enabled forward of
-        such rows still has a query per row, so its all-zero result comes out of the model's graph.
+        At least one column is kept, a masked one (id 0) added where the completions have none: a grad-enabled
+        forward of rows without a valid token still has a query per row, so its all-zero result comes out of the
+        model's graph.
         """
         mask = self.completion_mask[rows]
-        keep = int(mask.sum(1).max().item()) if mask.numel() else 0
-        keep = max(keep, min(1, mask.shape[1]))
+        keep = max(int(mask.sum(1).max().item()) if mask.numel() else 0, 1)
+        ids = self.completion_ids[rows, :keep]
+        if ids.shape[1] < keep:  # the completions have no column at all
+            ids, mask = ids.new_zeros(ids.shape[0], keep), mask.new_zeros(mask.shape[0], keep)
         return GroupedBatch(
             prompt_ids=self.prompt_ids,
             prompt_mask=self.prompt_mask,
-            completion_ids=self.completion_ids[rows, :keep],
+            completion_ids=ids,
             completion_mask=mask[:, :keep],
             group_index=self.group_index[rows],
-        )
-
-    def with_one_column(self) -> GroupedBatch:
-        """This batch, or, when its completions have no column at all, the same with one padded column (id 0, masked):
-        every completion row then has a query to forward."""
-        if self.completion_ids.shape[1] > 0:
-            return self
-        rows = self.completion_ids.shape[0]
-        return GroupedBatch(
-            prompt_ids=self.prompt_ids,
-            prompt_mask=self.prompt_mask,
-            completion_ids=self.completion_ids.new_zeros(rows, 1),
-            completion_mask=self.completion_mask.new_zeros(rows, 1),
-            group_index=self.group_index,
         )
 
 

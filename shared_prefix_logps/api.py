@@ -8,14 +8,15 @@ from torch import nn
 from .backends import flash
 from .backends.dense import dense_logps
 from .backends.flex import backward_available, flex_available
+from .batch_plan import BatchPlan, plan_scoring
 from .distributed.lockstep import Lockstep, call_lockstep, placeholder_prefix
 from .inputs import GroupedBatch, check_options, group_batch, split_concatenated
 from .model import PreparedModel, prepare_model
 from .moe_router import RouterStats, router_spec
 from .output import LogpsOutput, result_zeros, write_rows
 from .phases import capture_prefix, score_rows, score_rows_routed
-from .token_budget import DEFAULT_TOKEN_BUDGET, ScoringCosts, plan_prompt_batches, plan_row_batches
-from .tree.grouped import deeper_sharing_pays, score_grouped_as_tree
+from .token_budget import DEFAULT_TOKEN_BUDGET, ScoringCosts
+from .tree.grouped import score_grouped_as_tree
 
 
 def compute_logps(
@@ -77,14 +78,15 @@ def compute_logps(
     temperature, token_budget = check_options(temperature, backend, token_budget)
     prepared = prepare_model(model)
     batch = group_batch(prompts, completions, prompt_mask, completion_mask, model=prepared)
-    return run_batch(
+    plan = plan_call(
+        prepared, batch, backend=backend, token_budget=token_budget, return_router_stats=return_router_stats
+    )
+    return run_plan(
         prepared,
-        batch,
+        plan,
         temperature=temperature,
         return_entropy=return_entropy,
-        backend=backend,
         token_budget=token_budget,
-        return_router_stats=return_router_stats,
         lockstep=call_lockstep(model, lockstep, prepared.device),
     )
 
@@ -121,14 +123,15 @@ def compute_logps_concatenated(
     temperature, token_budget = check_options(temperature, backend, token_budget)
     prepared = prepare_model(model)
     batch = split_concatenated(input_ids, attention_mask, logits_to_keep, model=prepared)
-    return run_batch(
+    plan = plan_call(
+        prepared, batch, backend=backend, token_budget=token_budget, return_router_stats=return_router_stats
+    )
+    return run_plan(
         prepared,
-        batch,
+        plan,
         temperature=temperature,
         return_entropy=return_entropy,
-        backend=backend,
         token_budget=token_budget,
-        return_router_stats=return_router_stats,
         lockstep=call_lockstep(model, lockstep, prepared.device),
     )
 
@@ -160,18 +163,15 @@ def packed_layout(backend: str) -> bool | str:
     return backend if backend in ("flex", "flash") else False
 
 
-def run_batch(
+def plan_call(
     prepared: PreparedModel,
     batch: GroupedBatch,
     *,
-    temperature: float,
-    return_entropy: bool,
     backend: str,
     token_budget: int | None = None,
     return_router_stats: bool = False,
-    lockstep: Lockstep | None = None,
-) -> LogpsOutput:
-    """Log-probs of a validated batch with the chosen backend, as (rows, C) tensors of the batch's C.
+) -> BatchPlan:
+    """The plan of a scoring call over a validated ``batch`` (:mod:`~shared_prefix_logps.batch_plan`), built once.
 
     Without gradients the work is split into prompt chunks (Phase 1) and completion chunks (Phase 2) of at most
     ``token_budget`` tokens each, so peak memory does not grow with the number of prompts or with G. With
@@ -180,106 +180,102 @@ def run_batch(
     scores the rows as a prefix tree instead, each shared prompt prefix forwarded once.
     With ``return_router_stats`` every row is forwarded, even one without a valid completion token: its prompt's
     tokens are routed in the dense row all the same.
-
-    With ``lockstep`` the call keeps in step with the other processes: without gradients its forwards are joined
-    (:meth:`Lockstep.forwards`); with gradients it makes Phase 1 when any process does (a padding forward where this
-    process has no prompt prefix), then Phase 2.
     """
-    options = dict(
-        temperature=temperature,
-        return_entropy=return_entropy,
-        backend=backend,
-        token_budget=token_budget,
-        return_router_stats=return_router_stats,
-    )
-    if lockstep is not None and not torch.is_grad_enabled():
-        with lockstep.forwards(prepared.outer):
-            return _run_batch(prepared, batch, **options)
-    return _run_batch(prepared, batch, **options, lockstep=lockstep)
-
-
-def _run_batch(
-    prepared: PreparedModel,
-    batch: GroupedBatch,
-    *,
-    temperature: float,
-    return_entropy: bool,
-    backend: str,
-    token_budget: int | None,
-    return_router_stats: bool,
-    lockstep: Lockstep | None = None,
-) -> LogpsOutput:
-    """:func:`run_batch`; with gradients and ``lockstep``, Phase 1 agreed between the processes."""
     backend = resolve_attention_backend(backend, prepared.device)
-    temperature = float(temperature)
-    top_k = None
+    router = None
     if return_router_stats:
         if backend == "dense":
             raise ValueError(
                 "return_router_stats needs the shared path; the dense forward returns the model's aux_loss"
             )
-        num_experts, top_k = router_spec(prepared.causal_lm)
-    rows, length = batch.completion_ids.shape
+        router = router_spec(prepared.causal_lm)
+    budget = None if torch.is_grad_enabled() else (token_budget or DEFAULT_TOKEN_BUDGET)
+    costs = None
+    if budget is not None and backend != "dense":
+        costs = ScoringCosts.of(prepared.causal_lm, prepared.device, packed=packed_layout(backend))
+    return plan_scoring(batch, backend=backend, budget=budget, costs=costs, router=router)
+
+
+def run_plan(
+    prepared: PreparedModel,
+    plan: BatchPlan,
+    *,
+    temperature: float,
+    return_entropy: bool,
+    token_budget: int | None = None,
+    lockstep: Lockstep | None = None,
+) -> LogpsOutput:
+    """Log-probs of the rows of ``plan`` (:func:`plan_call`), as (rows, C) tensors of the batch's C.
+
+    ``token_budget`` bounds the tree pass's no-grad walk, when the plan takes it. With ``lockstep`` the call keeps in
+    step with the other processes: without gradients its forwards are joined (:meth:`Lockstep.forwards`); with
+    gradients it makes Phase 1 when any process does (a padding forward where this process has no prompt prefix),
+    then Phase 2.
+    """
+    options = dict(temperature=float(temperature), return_entropy=return_entropy, token_budget=token_budget)
+    if lockstep is not None and not torch.is_grad_enabled():
+        with lockstep.forwards(prepared.outer):
+            return _run_plan(prepared, plan, **options)
+    return _run_plan(prepared, plan, **options, lockstep=lockstep)
+
+
+def _run_plan(
+    prepared: PreparedModel,
+    plan: BatchPlan,
+    *,
+    temperature: float,
+    return_entropy: bool,
+    token_budget: int | None,
+    lockstep: Lockstep | None = None,
+) -> LogpsOutput:
+    """:func:`run_plan`; with gradients and ``lockstep``, Phase 1 agreed between the processes."""
+    batch = plan.batch
     mask = batch.completion_mask
-    nothing_valid = not mask.any()
-    if nothing_valid and not torch.is_grad_enabled() and top_k is None:
-        logps = result_zeros(rows, length, device=batch.completion_ids.device)
-        return LogpsOutput(logps, torch.zeros_like(logps) if return_entropy else None, mask)
-    if top_k is None and backend == "expand" and not nothing_valid and deeper_sharing_pays(batch):
-        # Distinct prompts share a prefix (a common system prompt): the trie forwards it once, not once per prompt.
+    rows = mask.shape[0]
+    if plan.tree_rows is not None:
         return score_grouped_as_tree(
-            prepared, batch, temperature=temperature, return_entropy=return_entropy, token_budget=token_budget
+            prepared,
+            batch,
+            plan.tree_rows,
+            temperature=temperature,
+            return_entropy=return_entropy,
+            token_budget=token_budget,
         )
-    if nothing_valid:
-        # With gradient an all-masked batch still runs the model: its (zero) result must hang off the model's graph
-        # through the model's own forward, as the dense path's does, so that a loss built from it back-propagates
-        # (every parameter gets a zero gradient; DDP/FSDP see an ordinary forward and backward). Completions with
-        # no column at all get one masked column to forward; the result is cut back to the caller's width below.
-        batch = batch.with_one_column()
-    logps = result_zeros(*batch.completion_ids.shape, device=batch.completion_ids.device)
+    if not plan.prompt_chunks:  # no valid token, no gradient: nothing to forward
+        logps = result_zeros(*mask.shape, device=mask.device)
+        return LogpsOutput(logps, torch.zeros_like(logps) if return_entropy else None, mask)
+    # With gradient an all-masked batch still runs the model: its (zero) result must hang off the model's graph
+    # through the model's own forward, as the dense path's does, so that a loss built from it back-propagates
+    # (every parameter gets a zero gradient; DDP/FSDP see an ordinary forward and backward). Completions with no
+    # column at all forward one masked column (plan.width); the result is cut back to the caller's width below.
+    logps = result_zeros(rows, plan.width, device=mask.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
-    if backend == "dense":
-        part = batch.select_rows(torch.arange(rows, device=logps.device))
-        values = dense_logps(prepared, part, temperature=temperature, return_entropy=return_entropy)
-        write_rows(logps, entropy, torch.arange(rows, device=logps.device), values)
+    if plan.backend == "dense":
+        chunk = plan.prompt_chunks[0].row_chunks[0]
+        values = dense_logps(prepared, chunk.batch, temperature=temperature, return_entropy=return_entropy)
+        write_rows(logps, entropy, chunk.rows, values)
         return _output(logps, entropy, mask)
-    packed = packed_layout(backend)
+    packed = packed_layout(plan.backend)
+    num_experts, top_k = plan.router if plan.router is not None else (0, None)
     padding = None
     if lockstep is not None and torch.is_grad_enabled():
         # With gradients the call is Phase 1 (unless no prompt has a prefix) then Phase 2, and the backward runs
         # through both: where another process forwards prompts and this one has none, a placeholder Phase 1 takes
         # its place, and its zero joins the results so that the backward visits it as the others' visit Phase 1.
-        has_prefix = bool(batch.prompt_mask[:, :-1].any())
-        if lockstep.any(has_prefix) and not has_prefix:
+        if lockstep.any(plan.has_prefix) and not plan.has_prefix:
             padding = placeholder_prefix(prepared, packed=packed, router_top_k=top_k)
-    budget = None if torch.is_grad_enabled() else (token_budget or DEFAULT_TOKEN_BUDGET)
     routed_rows, routed = [], []
-    costs = None if budget is None else ScoringCosts.of(prepared.causal_lm, prepared.device, packed=packed)
-    for prompt_indices in plan_prompt_batches(batch.prompt_mask, budget, costs):
-        sub, sub_rows = batch.select_prompts(prompt_indices)
-        capture = capture_prefix(prepared, sub.prompt_ids, sub.prompt_mask, packed=packed, router_top_k=top_k)
-        for local_rows in plan_row_batches(sub.completion_mask, sub.prompt_mask, budget, costs):
-            part = sub.select_rows(local_rows)
-            if not part.completion_mask.any() and not nothing_valid and top_k is None:
-                continue  # zeros already; an all-masked batch is forwarded anyway (see above)
+    options = dict(temperature=temperature, return_entropy=return_entropy, packed=packed)
+    for prompts in plan.prompt_chunks:
+        capture = capture_prefix(prepared, prompts.prompt_ids, prompts.prompt_mask, packed=packed, router_top_k=top_k)
+        for chunk in prompts.row_chunks:
             if top_k is None:
-                values = score_rows(
-                    prepared, part, capture, temperature=temperature, return_entropy=return_entropy, packed=packed
-                )
+                values = score_rows(prepared, chunk.batch, capture, **options)
             else:
-                *values, stats = score_rows_routed(
-                    prepared,
-                    part.with_one_column(),
-                    capture,
-                    temperature=temperature,
-                    return_entropy=return_entropy,
-                    packed=packed,
-                    router_top_k=top_k,
-                )
-                values = tuple(None if v is None else v[:, : part.completion_ids.shape[1]] for v in values)
-                routed_rows.append(sub_rows[local_rows])
+                *values, stats = score_rows_routed(prepared, chunk.batch, capture, router_top_k=top_k, **options)
+                routed_rows.append(chunk.rows)
                 routed.append(stats)
-            write_rows(logps, entropy, sub_rows[local_rows], values)
+            write_rows(logps, entropy, chunk.rows, values)
         del capture
     out = _output(logps, entropy, mask)
     if top_k is not None:

@@ -8,17 +8,17 @@ key/value gradients through the prompt's graph. The result equals autograd of th
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from .api import packed_layout, resolve_attention_backend
-from .distributed.ddp import average_gradients, find_ddp, reduced_parameters
+from .batch_plan import placeholder_chunk, plan_generation_chunks
+from .distributed.backward_driver import backward_chunk_loss, backward_driver
 from .distributed.lockstep import call_lockstep, placeholder_prefix
 from .forward.context import CaptureContext
-from .inputs import GroupedBatch, as_int, check_options, group_batch
+from .inputs import as_int, check_options, group_batch
 from .model import prepare_model
 from .moe_router import RouterStats, router_spec
 from .output import LogpsOutput, result_zeros, write_rows
@@ -75,14 +75,14 @@ def chunked_backward(
         Each chunk calls ``backward``, and the prompt one more. Under DDP pass the DDP-wrapped model and call as for
         one ``loss.backward()``: inside ``model.no_sync()`` every backward accumulates locally; outside it (the
         synchronizing micro-batch) the call runs its forwards and backwards as under ``no_sync`` and then averages
-        every parameter's ``.grad`` over the processes once (:class:`_DDPBackward`), as DDP's synchronizing backward
-        would: afterwards each process holds the ranks' average of the accumulated gradient, with
+        every parameter's ``.grad`` over the processes once (``distributed.backward_driver.DDPBackward``), as DDP's
+        synchronizing backward would: afterwards each process holds the ranks' average of the accumulated gradient, with
         ``find_unused_parameters`` on or off. DDP communication hooks are not applied to that average;
         ``static_graph=True`` is refused.
 
         Under FSDP2 and FSDP1 (``FullyShardedDataParallel``) each backward reduce-scatters what it produced (or,
         under ``no_sync``, accumulates locally) and the shards add up to the full gradient; under FSDP1 the prompt's
-        backward is preceded by a one-token forward that re-arms FSDP1's backward hooks (:class:`_FSDP1Backward`).
+        backward is preceded by a one-token forward that re-arms FSDP1's backward hooks (``FSDP1Backward``).
 
         Pass a DeepSpeed engine itself (what ``deepspeed.initialize`` returns), then call ``engine.step()`` as after
         ``engine.backward(loss)``: every backward runs through ``engine.backward`` (scaled by its gradient
@@ -96,7 +96,7 @@ def chunked_backward(
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if not torch.is_grad_enabled():
         raise RuntimeError("chunked_backward runs backward passes; call it with gradients enabled")
-    backward = _backward_driver(model)  # its refusals come before the model is prepared (and its head checked)
+    backward = backward_driver(model)  # its refusals come before the model is prepared (and its head checked)
     prepared = prepare_model(model)
     batch = group_batch(prompts, completions, prompt_mask, completion_mask, model=prepared)
     rows, length = batch.completion_ids.shape
@@ -107,26 +107,30 @@ def chunked_backward(
         raise ValueError(f"generations_per_chunk must be in [1, G={generations}], got {generations_per_chunk}")
     backend = resolve_attention_backend(backend, prepared.device)
     packed = packed_layout(backend)
-    num_experts, top_k = router_spec(prepared.causal_lm) if return_router_stats else (0, None)
+    router = router_spec(prepared.causal_lm) if return_router_stats else None
+    num_experts, top_k = router if router is not None else (0, None)
+    plan = plan_generation_chunks(batch, generations_per_chunk, backend=backend, router=router)
+    row_chunks = plan.row_chunks()
 
     steps = call_lockstep(model, lockstep, prepared.device)
     logps = result_zeros(rows, length, device=batch.completion_ids.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
-    starts = torch.arange(num_prompts, device=logps.device) * generations
     # With no valid token anywhere, autograd of the summed losses still gives every parameter a zero gradient (and
     # optimizers such as Adam step on it): the chunks then run anyway so that backward reaches every parameter.
     # (Router statistics count the prompt tokens of rows without a valid completion token too: every chunk runs.)
     # In lockstep every chunk runs, so that each process forwards and back-propagates as often as the others.
-    score_empty = not batch.completion_mask.any() or top_k is not None or steps is not None
-    firsts = range(0, generations, generations_per_chunk)
+    score_empty = not plan.has_valid or top_k is not None or steps is not None
     routed_rows, routed = [], []
     try:
         backward.begin()
-        has_prefix = bool(batch.prompt_mask[:, :-1].any())
-        chunks = len(firsts)
+        has_prefix = plan.has_prefix
+        chunks = len(row_chunks)
         padding = None  # a placeholder Phase 1's zero (lockstep: another process has a prompt prefix, this one none)
+        placeholder = None  # the chunk made in place of another process's (lockstep: it has more chunks)
         if steps is not None:
             any_prefix, chunks = steps.max_all([has_prefix, chunks])
+            if chunks > len(row_chunks):
+                placeholder = placeholder_chunk(batch)
             if any_prefix and not has_prefix:
                 padding = placeholder_prefix(prepared, packed=packed, router_top_k=top_k)
         capture = capture_prefix(prepared, batch.prompt_ids, batch.prompt_mask, packed=packed, router_top_k=top_k)
@@ -137,13 +141,11 @@ def chunked_backward(
             prompt_backward = steps.any(prompt_backward)
         for chunk in range(chunks):
             last = not prompt_backward and chunk == chunks - 1
-            if chunk >= len(firsts):  # lockstep: another process has more chunks (a larger G)
-                _backward_placeholder_chunk(backward, prepared, batch, leaves, packed, top_k, num_experts, last)
+            if chunk >= len(row_chunks):  # lockstep: another process has more chunks (a larger G)
+                _backward_placeholder_chunk(backward, prepared, placeholder, leaves, packed, top_k, num_experts, last)
                 continue
-            first = firsts[chunk]
-            offsets = torch.arange(first, min(first + generations_per_chunk, generations), device=logps.device)
-            chunk_rows = (starts[:, None] + offsets[None, :]).reshape(-1)
-            part = batch.select_rows(chunk_rows)
+            part = row_chunks[chunk]
+            chunk_rows = part.rows
             chunk_out = _score_chunk(
                 prepared, part, leaves, length, temperature, return_entropy, packed, score_empty, top_k, num_experts
             )
@@ -151,13 +153,15 @@ def chunked_backward(
                 routed_rows.append(chunk_rows)
                 routed.append(chunk_out.router.detach())
             loss = loss_fn(chunk_out, chunk_rows)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise TypeError("loss_fn must return a scalar tensor")
-            if loss.requires_grad:
-                backward.loss(loss, last=last)
-            elif part.completion_mask.any():  # skipping its backward would leave these rows' gradient out unseen
-                raise _loss_without_grad(chunk_rows, chunk_out.logps.requires_grad)
-            elif steps is not None and chunk_out.logps.requires_grad:
+            ran = backward_chunk_loss(
+                backward,
+                loss,
+                last=last,
+                chunk_rows=chunk_rows,
+                has_valid=part.has_valid,
+                logps_need_grad=chunk_out.logps.requires_grad,
+            )
+            if not ran and steps is not None and chunk_out.logps.requires_grad:
                 # lockstep: the other processes back-propagate this chunk; a zero from its forward stands in
                 backward.loss(chunk_out.logps.sum() * 0.0, last=last)
             detached = chunk_out.detach()
@@ -178,18 +182,6 @@ def chunked_backward(
             num_experts,
         )
     return out
-
-
-def _loss_without_grad(chunk_rows: torch.Tensor, logps_need_grad: bool) -> RuntimeError:
-    """The error for a chunk with valid tokens whose loss does not require grad (``loss.backward()`` raises too)."""
-    rows = chunk_rows.tolist()
-    shown = ", ".join(map(str, rows[:8])) + (", ..." if len(rows) > 8 else "")
-    cause = (
-        "loss_fn detached it or returned a constant; build the loss from chunk_out's tensors"
-        if logps_need_grad
-        else "the chunk's log-probs carry no gradient (no parameter of the model requires grad)"
-    )
-    return RuntimeError(f"the loss of the chunk of rows [{shown}] has valid tokens but does not require grad: {cause}")
 
 
 def _detached_capture(capture: CaptureContext | None) -> CaptureContext | None:
@@ -226,42 +218,37 @@ def _prompt_results(capture: CaptureContext) -> list[torch.Tensor]:
 def _score_chunk(
     prepared, part, leaves, length, temperature, return_entropy, packed, score_empty, top_k=None, num_experts=0
 ) -> LogpsOutput:
-    """Phase 2 on one chunk; (rows, C) float32 outputs padded back to the batch's C.
+    """Phase 2 on one :class:`~shared_prefix_logps.batch_plan.RowChunk` ``part``; (rows, C) float32 outputs padded
+    back to the batch's C = ``length``.
 
     A chunk without a valid token gets plain zeros (no forward) unless ``score_empty``: then it is forwarded too and
-    its zeros are connected to the model's graph (Phase 2 forwards at least one masked column per row for that).
+    its zeros are connected to the model's graph (the plan gives every chunk at least one masked column for that).
     With ``top_k`` (router statistics) the output carries the chunk rows' :class:`RouterStats`.
     """
-    chunk_rows = part.completion_ids.shape[0]
-    logps = result_zeros(chunk_rows, length, device=part.completion_ids.device)
+    batch = part.batch
+    chunk_rows = batch.completion_ids.shape[0]
+    logps = result_zeros(chunk_rows, length, device=batch.completion_ids.device)
     entropy = torch.zeros_like(logps) if return_entropy else None
     stats = None
-    if score_empty or part.completion_mask.any():
+    if score_empty or part.has_valid:
         options = dict(temperature=float(temperature), return_entropy=return_entropy, packed=packed)
         if top_k is None:
-            values = score_rows(prepared, part.with_one_column(), leaves, **options)
+            values = score_rows(prepared, batch, leaves, **options)
         else:
-            *values, stats = score_rows_routed(prepared, part.with_one_column(), leaves, router_top_k=top_k, **options)
+            *values, stats = score_rows_routed(prepared, batch, leaves, router_top_k=top_k, **options)
         values = tuple(None if v is None else v[:, :length] for v in values)  # completions without any column
         write_rows(logps, entropy, torch.arange(chunk_rows, device=logps.device), values)
+    width = min(batch.completion_mask.shape[1], length)
     mask = torch.zeros(chunk_rows, length, dtype=torch.bool, device=logps.device)
-    mask[:, : part.completion_mask.shape[1]] = part.completion_mask
+    mask[:, :width] = batch.completion_mask[:, :width]
     router = None if stats is None else RouterStats(*stats, num_experts)
     return LogpsOutput(logps, entropy, mask, router)
 
 
-def _backward_placeholder_chunk(backward, prepared, batch, leaves, packed, top_k, num_experts, last: bool) -> None:
-    """A chunk's forward and backward in place of one another process makes (lockstep): the first prompt's rows,
-    every completion token masked, forwarded as a chunk and back-propagated with weight zero."""
-    rows = (batch.group_index == 0).nonzero().squeeze(1)
-    masked = GroupedBatch(
-        prompt_ids=batch.prompt_ids,
-        prompt_mask=batch.prompt_mask,
-        completion_ids=batch.completion_ids.new_zeros(rows.numel(), 1),
-        completion_mask=batch.completion_mask.new_zeros(rows.numel(), 1),
-        group_index=batch.group_index[rows],
-    )
-    out = _score_chunk(prepared, masked, leaves, 1, 1.0, False, packed, True, top_k, num_experts)
+def _backward_placeholder_chunk(backward, prepared, chunk, leaves, packed, top_k, num_experts, last: bool) -> None:
+    """A chunk's forward and backward in place of one another process makes (lockstep): ``chunk``
+    (:func:`~shared_prefix_logps.batch_plan.placeholder_chunk`) forwarded and back-propagated with weight zero."""
+    out = _score_chunk(prepared, chunk, leaves, 1, 1.0, False, packed, True, top_k, num_experts)
     if out.logps.requires_grad:
         backward.loss(out.logps.sum() * 0.0, last=last)
 
@@ -275,179 +262,3 @@ def _backward_through_prompt(backward, capture: CaptureContext, leaves: CaptureC
             tensors.append(original)
             grads.append(leaf.grad)
     backward.tensors(tensors, grads)
-
-
-def _backward_driver(model: nn.Module):
-    """How this call runs its backward passes: plain autograd, re-armed for FSDP1, through a DeepSpeed engine, or
-    locally then averaged once (a synchronizing call under DDP)."""
-    root = _fsdp1_root(model)
-    if root is not None:
-        return _FSDP1Backward(model, root.compute_device)
-    deepspeed = sys.modules.get("deepspeed")
-    engine_type = getattr(deepspeed, "DeepSpeedEngine", None) if deepspeed is not None else None
-    if engine_type is not None and isinstance(model, engine_type):
-        return _DeepSpeedBackward(model)
-    if any(hasattr(param, "ds_id") or hasattr(param, "_hp_mapping") for param in model.parameters()):
-        raise ValueError(
-            "the model's parameters are managed by a DeepSpeed engine; pass the engine itself (what "
-            "deepspeed.initialize returns) to chunked_backward, so that its backward passes go through "
-            "engine.backward and ZeRO accumulates the chunks' gradients"
-        )
-    ddp = find_ddp(model)
-    if ddp is not None and ddp.static_graph:
-        # Its reducer replays the first iteration's one-backward-per-forward schedule and fails an internal assertion
-        # on the chunks' backwards.
-        raise ValueError(
-            "chunked_backward cannot serve a DistributedDataParallel model with static_graph=True (DDP then expects "
-            "one backward per forward; chunked_backward makes several): wrap it with static_graph=False "
-            "(find_unused_parameters True or False both work)"
-        )
-    if ddp is not None and ddp.require_backward_grad_sync:
-        return _DDPBackward(ddp)
-    return _PlainBackward()
-
-
-class _PlainBackward:
-    """Backward passes of one call with autograd; also under DDP's ``no_sync`` (each accumulates locally)."""
-
-    def begin(self) -> None:
-        """Before the call's first forward."""
-
-    def loss(self, loss: torch.Tensor, *, last: bool) -> None:
-        loss.backward()
-
-    def tensors(self, tensors: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
-        pairs = [(tensor, grad) for tensor, grad in zip(tensors, grads) if grad is not None]
-        if pairs:
-            torch.autograd.backward(*zip(*pairs))
-
-    def finish(self) -> None:
-        """After the call's last backward."""
-
-    def close(self) -> None:
-        """Always, last (also when the call raised)."""
-
-
-class _DDPBackward(_PlainBackward):
-    """Backward passes of one synchronizing call under DDP (not inside ``no_sync``).
-
-    DDP's reducer expects one backward per forward: each grad-enabled forward outside ``no_sync`` arms it (and, with
-    ``find_unused_parameters``, marks the parameters that forward's output does not reach as ready), and the
-    backward that follows all-reduces the buckets as their gradients become ready and writes the averages into
-    ``.grad``. Phase 1, then a forward and a backward per chunk, then the backward through Phase 1's graph would
-    average partial gradients several times, each overwritten by the next (0.74-0.96 relative error seen), with
-    buckets left waiting. So the whole call runs as under ``no_sync()`` (forwards do not arm the reducer, backwards
-    accumulate locally) and, after the last backward, every parameter's accumulated ``.grad`` is averaged over the
-    process group once (:func:`~shared_prefix_logps.distributed.ddp.average_gradients`): what DDP's synchronizing
-    backward computes, gradients accumulated under earlier ``no_sync`` micro-batches included. As after DDP's own
-    synchronizing step, the next forward broadcasts the module's buffers.
-    """
-
-    def __init__(self, ddp: nn.parallel.DistributedDataParallel):
-        self.ddp = ddp
-
-    def begin(self) -> None:
-        self.ddp.require_backward_grad_sync = False  # what no_sync() sets
-
-    def finish(self) -> None:
-        average_gradients(reduced_parameters(self.ddp), self.ddp.process_group)
-        self.ddp.require_forward_param_sync = True
-
-    def close(self) -> None:
-        self.ddp.require_backward_grad_sync = True
-
-
-class _DeepSpeedBackward:
-    """Backward passes of one call under a DeepSpeed engine.
-
-    ``loss.backward()`` alone would bypass the engine: ZeRO-2 reduces each backward's gradients at the accumulation
-    boundary and the next one overwrites them, and ZeRO-3 leaves gradients it cannot clear. So every backward goes
-    through ``engine.backward`` (loss divided by the gradient accumulation steps, reduction hooks armed), all but the
-    last as non-boundary micro-steps, whose gradients ZeRO accumulates as for gradient accumulation, and the last
-    at the boundary the engine is at (then ``engine.step()`` updates as after one ``engine.backward``). The prompt's
-    backward is the scalar ``sum(kv * kv_grad)``: same gradients as ``autograd.backward(kv, kv_grad)``, not scaled
-    again since the chunks' gradients already are.
-    """
-
-    def __init__(self, engine):
-        if engine.fp16_enabled():
-            raise NotImplementedError(
-                "chunked_backward under a DeepSpeed engine with fp16 (dynamic loss scaling) is not supported; use "
-                "bf16 or fp32"
-            )
-        self.engine = engine
-        # Unmanaged accumulation (DeepSpeed >= 0.19): backward only accumulates; step() reduces.
-        self.managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
-        self.override = getattr(engine, "_is_gradient_accumulation_boundary", None)
-        self.boundary = engine.is_gradient_accumulation_boundary()
-        self.pending = False
-
-    def begin(self) -> None:
-        pass
-
-    def loss(self, loss: torch.Tensor, *, last: bool, scale: bool = True) -> None:
-        if self.managed:
-            self.engine.set_gradient_accumulation_boundary(self.boundary if last else False)
-        self.engine.backward(loss, scale_wrt_gas=scale)
-        self.pending = not last
-
-    def tensors(self, tensors: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
-        # Also when no key/value received gradient: this backward carries the step's boundary.
-        surrogate = sum((tensor * grad).sum() for tensor, grad in zip(tensors, grads) if grad is not None)
-        if not isinstance(surrogate, torch.Tensor):
-            surrogate = sum(tensor.sum() * 0.0 for tensor in tensors)
-        self.loss(surrogate, last=True, scale=False)
-
-    def finish(self) -> None:
-        if self.pending:
-            raise RuntimeError(
-                "under a DeepSpeed engine the last backward of chunked_backward must run at the accumulation "
-                "boundary, but the last chunk's loss does not require grad; the engine's gradients of this step "
-                "are incomplete"
-            )
-
-    def close(self) -> None:
-        if self.managed:
-            self.engine.set_gradient_accumulation_boundary(self.override)
-
-
-def _fsdp1_root(model: nn.Module) -> nn.Module | None:
-    """The outermost FSDP1 ``FullyShardedDataParallel`` unit in ``model``, or None."""
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return None
-    return next((module for module in model.modules() if isinstance(module, FullyShardedDataParallel)), None)
-
-
-class _FSDP1Backward(_PlainBackward):
-    """Backward passes of one call under FSDP1 (``FullyShardedDataParallel``).
-
-    Each chunk is an ordinary forward and backward. The prompt's backward is not: its graph was built by Phase 1's
-    forward, before the chunks' forwards and backwards, and FSDP1 arms a unit's backward in the *latest* forward and
-    disarms it at the end of every backward (the root's final callback clears each unit's "unshard before backward"
-    flag and removes the reduce-scatter hook from its flat parameter's ``AccumulateGrad``). Run as is, the prompt's
-    backward meets sharded units: its pre-backward hooks fire but unshard nothing, and the layers' saved weights
-    (views of the freed unsharded flat parameters) are read from freed storage (a segfault on CPU/gloo), with no
-    reduce-scatter of the prompt's gradient.
-
-    So right before it, one grad-enabled one-token forward of the outer module re-arms every unit exactly as a forward
-    does (flags set, hooks registered on the same ``AccumulateGrad`` nodes the prompt's graph leads to); its output
-    is dropped and never backpropagated, so it adds nothing to any gradient. The prompt's backward is then an
-    ordinary FSDP1 backward: each unit unshards in its pre-backward hook, reduce-scatters (or, under ``no_sync``,
-    accumulates) and reshards after its gradient is complete. Every backward reduce-scatters its own gradient and
-    FSDP1 adds the shards, so the step's gradient is the sum over chunks and prompt, as without sharding.
-    """
-
-    def __init__(self, model: nn.Module, device: torch.device):
-        self.model = model  # the outermost module, whose forward the phases call
-        self.device = device  # FSDP1's compute device
-
-    def tensors(self, tensors: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
-        self._rearm()
-        super().tensors(tensors, grads)
-
-    def _rearm(self) -> None:
-        ids = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        with torch.enable_grad():
-            self.model(input_ids=ids, use_cache=False)

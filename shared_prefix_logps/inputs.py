@@ -60,32 +60,21 @@ class GroupedBatch:
         """The same prompts with only completion ``rows``, trailing all-padding columns dropped (so the result's C
         can be shorter: callers write results back into the first columns).
 
-        One column is kept even when no row has a valid token (if the batch has a column): a grad-enabled forward of
-        such rows still has a query per row, so its all-zero result comes out of the model's graph.
+        At least one column is kept, a masked one (id 0) added where the completions have none: a grad-enabled
+        forward of rows without a valid token still has a query per row, so its all-zero result comes out of the
+        model's graph.
         """
         mask = self.completion_mask[rows]
-        keep = int(mask.sum(1).max().item()) if mask.numel() else 0
-        keep = max(keep, min(1, mask.shape[1]))
+        keep = max(int(mask.sum(1).max().item()) if mask.numel() else 0, 1)
+        ids = self.completion_ids[rows, :keep]
+        if ids.shape[1] < keep:  # the completions have no column at all
+            ids, mask = ids.new_zeros(ids.shape[0], keep), mask.new_zeros(mask.shape[0], keep)
         return GroupedBatch(
             prompt_ids=self.prompt_ids,
             prompt_mask=self.prompt_mask,
-            completion_ids=self.completion_ids[rows, :keep],
+            completion_ids=ids,
             completion_mask=mask[:, :keep],
             group_index=self.group_index[rows],
-        )
-
-    def with_one_column(self) -> GroupedBatch:
-        """This batch, or, when its completions have no column at all, the same with one padded column (id 0, masked):
-        every completion row then has a query to forward."""
-        if self.completion_ids.shape[1] > 0:
-            return self
-        rows = self.completion_ids.shape[0]
-        return GroupedBatch(
-            prompt_ids=self.prompt_ids,
-            prompt_mask=self.prompt_mask,
-            completion_ids=self.completion_ids.new_zeros(rows, 1),
-            completion_mask=self.completion_mask.new_zeros(rows, 1),
-            group_index=self.group_index,
         )
 
 
@@ -163,7 +152,8 @@ def _as_id_tensor(name: str, value, device) -> tuple[torch.Tensor, torch.Tensor 
     return None, rows
 
 
-def _check_mask(name: str, mask, shape, device) -> torch.Tensor:
+def check_mask(name: str, mask, shape, device) -> torch.Tensor:
+    """``mask`` as a bool tensor on ``device``: a tensor of ``shape``, bool or integer 0/1; errors name ``name``."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(mask).__name__}")
     if tuple(mask.shape) != tuple(shape):
@@ -223,7 +213,7 @@ def normalize_prompts(
         mask = (
             torch.ones_like(ids, dtype=torch.bool)
             if prompt_mask is None
-            else _check_mask(mask_name, prompt_mask, ids.shape, device)
+            else check_mask(mask_name, prompt_mask, ids.shape, device)
         )
         if not mask[:, -1].all():
             bad = int((~mask[:, -1]).nonzero()[0])
@@ -254,7 +244,7 @@ def normalize_completions(
         mask = (
             torch.ones_like(ids, dtype=torch.bool)
             if completion_mask is None
-            else _check_mask(mask_name, completion_mask, ids.shape, device)
+            else check_mask(mask_name, completion_mask, ids.shape, device)
         )
         if (mask[:, 1:] > mask[:, :-1]).any():
             bad = int((mask[:, 1:] > mask[:, :-1]).any(1).nonzero()[0])
@@ -319,7 +309,7 @@ def split_concatenated(input_ids, attention_mask, logits_to_keep, *, model) -> G
         )
     if attention_mask is None:
         raise ValueError("attention_mask is required: masks come from attention masks, never from token ids")
-    mask = _check_mask("attention_mask", attention_mask, ids.shape, device)
+    mask = check_mask("attention_mask", attention_mask, ids.shape, device)
     check_rope_length(model, ids.shape[1])
     split = ids.shape[1] - logits_to_keep
     # Errors name the caller's arguments and the columns they are about: the prompt part is everything before the

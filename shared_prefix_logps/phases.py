@@ -68,7 +68,9 @@ def capture_prefix(
     else:
         context = CaptureContext(key_valid=prefix_mask, positions=positions, needs_grad=needs_grad)
         input_ids = prefix_ids
-    output, router_logits = _forward(prepared, input_ids, context.positions, context, router=router_top_k is not None)
+    output, router_logits = forward_phase(
+        prepared, input_ids, context.positions, context, router=router_top_k is not None
+    )
     if router_top_k is not None:
         owners = context.segments if packed else None
         context.router = _router_sums(router_logits, prefix_mask, owners, prefix_ids.shape[0], router_top_k)
@@ -135,7 +137,7 @@ def score_completions(
     else:
         context = SharedContext(positions=positions, query_valid=valid, **common)
         input_ids = query_ids
-    output, router_logits = _forward(prepared, input_ids, context.positions, context, router=routed is not None)
+    output, router_logits = forward_phase(prepared, input_ids, context.positions, context, router=routed is not None)
     if context.route is None:
         raise ValueError(f"{type(prepared.causal_lm).__name__} did not call its lm_head inside its forward")
     released = release(output, [context.route])
@@ -232,7 +234,7 @@ def _packed_queries(valid: torch.Tensor) -> torch.Tensor:
     return placeholder
 
 
-def _forward(prepared: PreparedModel, input_ids, position_ids, context, *, router: bool = False):
+def forward_phase(prepared: PreparedModel, input_ids, position_ids, context, *, router: bool = False):
     """One forward of the outermost module in a phase.
 
     Returns the model's logits output (an empty-vocabulary tensor derived from every result the phase attached) and,

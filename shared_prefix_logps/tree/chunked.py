@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..api import resolve_attention_backend
-from ..chunked import _backward_driver, _DeepSpeedBackward, _loss_without_grad
+from ..distributed.backward_driver import DeepSpeedBackward, backward_chunk_loss, backward_driver
 from ..inputs import as_int, check_options
 from ..model import prepare_model
 from ..output import LogpsOutput
@@ -76,9 +76,9 @@ def chunked_backward_tree(
         raise ValueError(f"rows_per_chunk must be at least 1, got {rows_per_chunk}")
     if not torch.is_grad_enabled():
         raise RuntimeError("chunked_backward_tree runs backward passes; call it with gradients enabled")
-    driver = _backward_driver(model)
+    driver = backward_driver(model, "chunked_backward_tree")
     prepared = prepare_model(model)
-    if isinstance(driver, _DeepSpeedBackward):
+    if isinstance(driver, DeepSpeedBackward):
         driver = NodeCallsThroughEngine(driver, prepared)
     if backend == "flex":
         resolve_attention_backend(backend, prepared.device)  # flex_attention's backward exists on CUDA only
@@ -95,12 +95,14 @@ def chunked_backward_tree(
         for chunk in walk.chunks(rows_per_chunk=rows_per_chunk):
             chunk_out = walk.forward_chunk(chunk)
             loss = loss_fn(chunk_out, chunk.to(prepared.device))
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise TypeError("loss_fn must return a scalar tensor")
-            if loss.requires_grad:
-                driver.loss(loss, last=False)
-            elif chunk_out.mask.any():  # skipping its backward would leave these rows' gradient out unseen
-                raise _loss_without_grad(chunk, chunk_out.logps.requires_grad)
+            backward_chunk_loss(
+                driver,
+                loss,
+                last=False,
+                chunk_rows=chunk,
+                has_valid=bool(chunk_out.mask.any()),
+                logps_need_grad=chunk_out.logps.requires_grad,
+            )
             logps[chunk] = chunk_out.logps.detach()
             if return_entropy:
                 entropy[chunk] = chunk_out.entropy.detach()

@@ -18,8 +18,8 @@ from .lockstep import one_token_zero
 
 class NodeCallsThroughEngine:
     """The backward driver of ``chunked_backward_tree`` under a DeepSpeed engine: wraps the engine's driver
-    (``chunked._DeepSpeedBackward``: its ``loss(loss, last=..., scale=...)`` runs ``engine.backward`` at or off the
-    accumulation boundary) with the same methods as the other drivers."""
+    (``distributed.backward_driver.DeepSpeedBackward``: its ``loss(loss, last=..., scale=...)`` runs
+    ``engine.backward`` at or off the accumulation boundary) with the same methods as the other drivers."""
 
     def __init__(self, driver, prepared):
         self.driver, self.prepared = driver, prepared

@@ -7,7 +7,7 @@ import torch
 from ..forward.routing import release
 from ..model import PreparedModel
 from ..moe_router import token_sums
-from ..phases import _forward
+from ..phases import forward_phase
 from .context import TreeContext
 from .plan import NodeCall
 
@@ -39,7 +39,9 @@ def forward_call(
         return_entropy=return_entropy,
         packed=packed,
     )
-    output, router_logits = _forward(prepared, call.input_ids, call.positions, context, router=router_top_k is not None)
+    output, router_logits = forward_phase(
+        prepared, call.input_ids, call.positions, context, router=router_top_k is not None
+    )
     if not context.routes:
         raise ValueError(f"{type(prepared.causal_lm).__name__} ran no attention layer through the shared-prefix path")
     if context.route is None:

@@ -12,7 +12,6 @@ from ..model import PreparedModel
 from ..output import LogpsOutput
 from .api import score_tree_rows
 from .inputs import TreeRows
-from .trie import build_trie
 
 #: The tree pass replaces one-level sharing when the trie saves at least this many prompt tokens ...
 DEEPER_SHARING_MIN_TOKENS = 64
@@ -25,17 +24,24 @@ DEEPER_SHARING_MIN_FRACTION = 0.2
 
 
 def prompt_tokens_saved(batch: GroupedBatch) -> int:
-    """Prompt tokens a trie over the distinct prompts forwards fewer than one-level sharing (each prompt once)."""
+    """Prompt tokens a trie over the distinct prompts forwards fewer than one-level sharing (each prompt once).
+
+    Counted without building the trie: its tokens are the distinct prefixes of the prompts, and with the prompts in
+    lexicographic order each prompt adds the tokens past its longest common prefix with the one before it. So the
+    saving is the sum of those common prefixes: one sort and one comparison of neighbours, (num_prompts, P) work.
+    """
     mask = batch.prompt_mask
     lengths = mask.sum(1)
     width = mask.shape[1]
     inner = torch.arange(width, device=mask.device)
     columns = (width - lengths)[:, None] + inner[None, :]
-    justified = batch.prompt_ids.gather(1, columns.clamp(max=width - 1)).masked_fill(
-        inner[None, :] >= lengths[:, None], 0
-    )
-    trie = build_trie(justified, lengths)
-    return int(lengths.sum()) - trie.num_tokens
+    past_end = inner[None, :] >= lengths[:, None]
+    # Left-justified, -1 after the end: ordered below every token, so a prompt sorts right before its extensions.
+    justified = batch.prompt_ids.gather(1, columns.clamp(max=width - 1)).masked_fill(past_end, -1)
+    ordered = torch.unique(justified, dim=0)  # sorted rows; a duplicate prompt adds no prefix
+    agree = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
+    common = agree.long().cumprod(1).sum(1)
+    return int(lengths.sum()) - int((ordered >= 0).sum()) + int(common.sum())
 
 
 def deeper_sharing_pays(batch: GroupedBatch) -> bool:
@@ -61,15 +67,8 @@ def _several_processes() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def score_grouped_as_tree(
-    prepared: PreparedModel,
-    batch: GroupedBatch,
-    *,
-    temperature: float,
-    return_entropy: bool,
-    token_budget: int | None,
-) -> LogpsOutput:
-    """The one-level entry points' result, (rows, C), from the tree pass over the rows ``[prompt | completion]``.
+def grouped_tree_rows(batch: GroupedBatch) -> TreeRows:
+    """The rows ``[prompt | completion]`` of ``batch`` as the tree pass takes them, (rows, P + C).
 
     The rows are left-padded prompt then right-padded completion: their real tokens are contiguous, and each scored
     completion token follows at least one prompt token.
@@ -79,8 +78,20 @@ def score_grouped_as_tree(
     ids = torch.cat([batch.prompt_ids[group], batch.completion_ids], dim=1)
     mask = torch.cat([prompt_mask, batch.completion_mask], dim=1)
     score = torch.cat([torch.zeros_like(prompt_mask), batch.completion_mask], dim=1)
-    lengths = mask.sum(1)
-    rows = TreeRows(ids, mask, score, prompt_mask.shape[1] - prompt_mask.sum(1), lengths)
+    return TreeRows(ids, mask, score, prompt_mask.shape[1] - prompt_mask.sum(1), mask.sum(1))
+
+
+def score_grouped_as_tree(
+    prepared: PreparedModel,
+    batch: GroupedBatch,
+    rows: TreeRows,
+    *,
+    temperature: float,
+    return_entropy: bool,
+    token_budget: int | None,
+) -> LogpsOutput:
+    """The one-level entry points' result, (rows, C), from the tree pass over ``rows`` (:func:`grouped_tree_rows` of
+    ``batch``); the trie of the rows is built there, once."""
     out = score_tree_rows(
         prepared, rows, temperature=temperature, return_entropy=return_entropy, token_budget=token_budget
     )

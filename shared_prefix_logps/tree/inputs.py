@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..inputs import _check_mask, check_rope_length
+from ..inputs import check_mask, check_rope_length
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,8 @@ def check_tree_rows(input_ids, attention_mask, score_mask, *, model) -> TreeRows
     if score_mask is None:
         raise ValueError("score_mask is required: True at the positions whose log-prob is wanted")
     ids = input_ids.to(device=device, dtype=torch.long)
-    mask = _check_mask("attention_mask", attention_mask, ids.shape, device)
-    scored = _check_mask("score_mask", score_mask, ids.shape, device)
+    mask = check_mask("attention_mask", attention_mask, ids.shape, device)
+    scored = check_mask("score_mask", score_mask, ids.shape, device)
     lengths = mask.sum(1)
     columns = torch.arange(ids.shape[1], device=device)
     first = torch.where(lengths > 0, mask.long().argmax(1), torch.zeros_like(lengths))

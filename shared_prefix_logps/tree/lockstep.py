@@ -44,7 +44,8 @@ def one_token_zero(prepared) -> torch.Tensor:
 class CallAgreement:
     """Keeps ``chunked_backward_tree``'s forwards and backwards in step with the other processes' (see the module).
 
-    ``driver`` runs the backward passes (``chunked._backward_driver``'s); ``steps`` the processes' agreement.
+    ``driver`` runs the backward passes (``distributed.backward_driver.backward_driver``'s); ``steps`` the
+    processes' agreement.
     """
 
     def __init__(self, steps: Lockstep, prepared, driver):

@@ -51,7 +51,7 @@ class _LiveCall:
 class TreeWalk:
     """The depth-first walk of one entry-point call: which node calls are alive, and what each chunk needs.
 
-    ``driver`` runs the backward passes (see ``chunked._backward_driver``); None without gradients. ``packed``
+    ``driver`` runs the backward passes (see ``distributed.backward_driver``); None without gradients. ``packed``
     selects the flex layout of node calls; with ``router_top_k`` each node call's router statistics per node are
     kept in ``node_router``. ``agreement`` (a :class:`~.lockstep.CallAgreement`, with gradients only) keeps every
     node forward and backward in step with the other processes'.

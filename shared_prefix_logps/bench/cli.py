@@ -222,6 +222,25 @@ def main(argv=None) -> int:
     bench.add_argument(
         "--max-generations", action="store_true", help="also find the largest G that fits per method (train)"
     )
+    bench.add_argument(
+        "--tree-workload",
+        choices=["agentic", "turns", "forks"],
+        default=None,
+        help="benchmark a prefix-tree workload instead (methods dense, one_level, tree; bench/tree_runner.py)",
+    )
+    bench.add_argument(
+        "--tree-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="scale the tree workload: a keyword of its builder in bench/tree_workloads.py, e.g. prompts=4 "
+        "(repeatable; default: the preset's own shapes)",
+    )
+    bench.add_argument(
+        "--dense-tokens",
+        type=int,
+        default=8192,
+        help="tree workloads: the most tokens of one micro-batch of rows of the dense method",
+    )
     demo = sub.add_parser("demo", help="the CPU/GPU demo (same as python -m shared_prefix_logps.bench.demo)")
     demo.add_argument("rest", nargs=argparse.REMAINDER)
     from ..plan import cli as plan_cli
@@ -235,6 +254,10 @@ def main(argv=None) -> int:
 
         demo_main(args.rest)
         return 0
+    if args.tree_workload:
+        from .tree_runner import run_tree_bench
+
+        return run_tree_bench(args, methods_given=args.methods != bench.get_default("methods"))
     return _bench(args)
 
 

@@ -88,9 +88,17 @@ def run_tree_cell(
         record, step = records[method], TREE_METHODS[method]
         try:
             _cleanup(model)
-            with peak_memory(device) as mem:
-                logps, record["tracked_ms"] = _timed(step, model, case, train, device)
-            record["peak_bytes"] = mem["peak_bytes"]
+            embedded = []
+            hook = model.get_input_embeddings().register_forward_pre_hook(
+                lambda _, args, counts=embedded: counts.append(args[0].numel())
+            )
+            try:
+                with peak_memory(device) as mem:
+                    logps, record["tracked_ms"] = _timed(step, model, case, train, device)
+            finally:
+                hook.remove()
+            # Pads included: what the model embedded (one_level pads prompts of different lengths).
+            record.update(peak_bytes=mem["peak_bytes"], tokens_embedded=sum(embedded))
             if method == "dense":
                 reference = logps
             elif reference is not None:

@@ -17,7 +17,8 @@ from shared_prefix_logps.bench.tree_workloads import agentic, forks, forwarded_t
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SMALL = [
-    agentic(prompts=2, system=9, task=3, generations=3, completion=8, tool_spans=1, tool_length=2, vocab=VOCAB),
+    # A system prompt long enough that compute_logps would take the tree pass, were deeper sharing not off.
+    agentic(prompts=2, system=80, task=3, generations=3, completion=8, tool_spans=1, tool_length=2, vocab=VOCAB),
     turns(conversations=2, num_turns=3, system=5, user=2, response=3, vocab=VOCAB),
     forks(prompts=2, prompt_length=4, completions=4, completion=6, vocab=VOCAB),
 ]

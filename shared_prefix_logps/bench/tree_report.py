@@ -95,9 +95,11 @@ def readme_table(runs: list[tuple[dict, list[dict]]]) -> str:
     """A short table over several runs (``(meta, records)`` each): per workload preset and step, each method's time,
     the tree's speed-up over dense against the floor's, and the tree's peak memory over one-level sharing's."""
     meta0 = runs[0][0]
+    threads = " or ".join(str(t) for t in sorted({meta["threads"] for meta, _ in runs}))
+    threads += " thread" if threads == "1" else " threads"
     lines = [
-        f"Measured on CPU ({meta0['device']}, 1 thread, {meta0['dtype'].replace('torch.', '')}), "
-        f"{meta0['preset']} dims with {meta0['layers']} layers:",
+        f"Measured on CPU ({meta0['device']}, {threads}, {meta0['dtype'].replace('torch.', '')}), "
+        f"{meta0['preset']} dims with {meta0['layers']} layers; tree x dense: measured speed-up (the FLOP floor's):",
         "",
         "| workload | step | dense s | one-level s | tree s | tree x dense (floor) | tree peak / one-level |",
         "|---|---|---|---|---|---|---|",

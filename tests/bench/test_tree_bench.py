@@ -12,6 +12,7 @@ from shared_prefix_logps.bench.cli import main
 from shared_prefix_logps.bench.flops import ModelShape
 from shared_prefix_logps.bench.tree_flops import method_flops
 from shared_prefix_logps.bench.tree_methods import TREE_METHODS, TreeCase
+from shared_prefix_logps.bench.tree_report import readme_table
 from shared_prefix_logps.bench.tree_workloads import agentic, forks, forwarded_tokens, turns
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -132,6 +133,8 @@ def test_cli_runs_the_tree_bench_end_to_end(tmp_path):
         )
     assert records[0]["micro_batches"] >= 1
     assert "| score | tree | ok |" in (tmp_path / "tree.md").read_text()
+    table = readme_table([(data["meta"], records)]).splitlines()
+    assert len(table) == 6 and table[-2].startswith("| agentic (scaled) | score |"), table
 
 
 @pytest.mark.parametrize(

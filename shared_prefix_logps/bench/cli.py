@@ -12,8 +12,11 @@ from pathlib import Path
 
 import torch
 
+#: The methods `bench` runs on GRPO-shaped batches when --methods is not given.
+DEFAULT_METHODS = "dense,trl,kv_expand,prefix_grouper,liger,expand,flex,chunked"
 
-def _versions() -> dict:
+
+def package_versions() -> dict:
     import transformers
 
     import shared_prefix_logps
@@ -32,7 +35,7 @@ def _versions() -> dict:
     return versions
 
 
-def _commit() -> str | None:
+def git_commit() -> str | None:
     try:
         out = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
@@ -42,7 +45,7 @@ def _commit() -> str | None:
     return out.stdout.strip() or None
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return platform.processor() or platform.machine()
@@ -77,7 +80,7 @@ def _bench(args) -> int:
     except ValueError as error:
         raise SystemExit(f"--prompts/--prompt-len/--completion-len/--generations: {error}") from None
     total = len(shapes) * len(workloads) * len(methods)
-    bar = _progress(total)
+    bar = progress_bar(total)
 
     def progress(record):
         bar(
@@ -85,17 +88,17 @@ def _bench(args) -> int:
             f"{record['status']}"
         )
 
-    load_before = _load()
+    load_before = load_average()
     records = run_sweep(model, methods, shapes, workloads, repeats=args.repeats, progress=progress)
     meta = dict(
         preset=args.preset,
         layers=args.layers,
         dtype=str(dtype),
-        device=_device_name(device),
-        versions=_versions(),
-        commit=_commit(),
+        device=device_name(device),
+        versions=package_versions(),
+        commit=git_commit(),
         threads=torch.get_num_threads() if device.type == "cpu" else None,
-        load_average=dict(before=load_before, after=_load()),
+        load_average=dict(before=load_before, after=load_average()),
         timing="interleaved: per repeat one timed step of every method in turn; median per method",
     )
     if args.max_generations:
@@ -129,7 +132,7 @@ def _bench(args) -> int:
     return 1 if any(r["status"] == "error" for r in records) else 0
 
 
-def _load() -> list[float] | None:
+def load_average() -> list[float] | None:
     """The 1, 5 and 15 minute load averages, where the platform has them."""
     try:
         return [round(v, 2) for v in os.getloadavg()]
@@ -173,7 +176,7 @@ def _markdown_report(meta: dict, table: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _progress(total: int):
+def progress_bar(total: int):
     try:
         from tqdm import tqdm
     except ImportError:
@@ -252,8 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--methods",
-        default="dense,trl,kv_expand,prefix_grouper,liger,expand,flex,chunked",
-        help="comma-separated methods to run (also flash); default: %(default)s",
+        default=DEFAULT_METHODS,
+        help="comma-separated methods to run (also flash; with --tree-workload: dense, one_level, tree); "
+        "default: %(default)s",
     )
     bench.add_argument(
         "--workloads",
@@ -272,6 +276,25 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--name", default=None, help="file stem of the results (default: bench)")
     bench.add_argument(
         "--max-generations", action="store_true", help="also find the largest G that fits per method (train)"
+    )
+    bench.add_argument(
+        "--tree-workload",
+        choices=["agentic", "turns", "forks"],
+        default=None,
+        help="benchmark a prefix-tree workload instead (methods dense, one_level, tree; bench/tree_runner.py)",
+    )
+    bench.add_argument(
+        "--tree-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="scale the tree workload: a keyword of its builder in bench/tree_workloads.py, e.g. prompts=4 "
+        "(repeatable; default: the preset's own shapes)",
+    )
+    bench.add_argument(
+        "--dense-tokens",
+        type=int,
+        default=8192,
+        help="tree workloads: the most tokens of one micro-batch of rows of the dense method",
     )
     demo = sub.add_parser(
         "demo",
@@ -309,6 +332,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "plan":
         return plan_cli.run(args)
+    if args.tree_workload:
+        from .tree_runner import run_tree_bench
+
+        return run_tree_bench(args, methods_given=args.methods != DEFAULT_METHODS)
     return _bench(args)
 
 

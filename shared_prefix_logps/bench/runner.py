@@ -74,14 +74,14 @@ def _is_oom(error: BaseException) -> bool:
     return isinstance(error, torch.cuda.OutOfMemoryError) or "out of memory" in str(error).lower()
 
 
-def _failure(error: BaseException) -> dict:
+def failure_record(error: BaseException) -> dict:
     """An OOM is a result, anything else a failure: both are recorded, not raised."""
     if _is_oom(error):
         return {"status": "OOM"}
     return {"status": "error", "reason": f"{type(error).__name__}: {error}"[:300]}
 
 
-def _sync(device):
+def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -96,7 +96,7 @@ def _cleanup(model, device):
 def _time_ms(step, model, batch, train, device) -> float:
     """Milliseconds of one step (CUDA events on CUDA, wall clock elsewhere)."""
     model.zero_grad(set_to_none=True)
-    _sync(device)
+    synchronize(device)
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -134,10 +134,10 @@ def run_cell(model, methods, shape: Shape, workload: str, *, repeats: int) -> li
         step = METHODS[method][0]
         try:
             model.zero_grad(set_to_none=True)
-            _sync(device)
+            synchronize(device)
             t0 = time.perf_counter()
             logps = step(model, batch, train)
-            _sync(device)
+            synchronize(device)
             warmup_ms = (time.perf_counter() - t0) * 1e3
             if method == "dense":
                 reference = logps
@@ -145,7 +145,7 @@ def run_cell(model, methods, shape: Shape, workload: str, *, repeats: int) -> li
                 record["max_abs_diff_vs_dense"] = float((logps - reference).abs().max())
             times[method] = [] if repeats else [warmup_ms]
         except Exception as error:
-            record.update(_failure(error))
+            record.update(failure_record(error))
         finally:
             _cleanup(model, device)
     for _ in range(repeats):
@@ -153,7 +153,7 @@ def run_cell(model, methods, shape: Shape, workload: str, *, repeats: int) -> li
             try:
                 times[method].append(_time_ms(METHODS[method][0], model, batch, train, device))
             except Exception as error:
-                records[method].update(_failure(error))
+                records[method].update(failure_record(error))
                 del times[method]
                 _cleanup(model, device)
     for method, samples in times.items():
@@ -172,7 +172,7 @@ def run_cell(model, methods, shape: Shape, workload: str, *, repeats: int) -> li
                 record["peak_bytes"] = mem["peak_bytes"]
             record["status"] = "ok"
         except Exception as error:
-            record.update(_failure(error))
+            record.update(failure_record(error))
         finally:
             _cleanup(model, device)
     return [records[method] for method in ordered]

@@ -8,7 +8,9 @@
 
 Token ids are random; the shapes are what matters. Counts: ``dense`` (every row in full), ``one_level`` (each
 distinct prompt part once plus every completion, today's ``compute_logps``), ``tree`` (what ``compute_logps_tree``
-forwards: each trie token once) and ``unique`` (the floor: every distinct prefix's last token once).
+forwards: each trie token once) and ``unique`` (the floor: every distinct prefix's last token once). (``compute_logps``
+embeds one token fewer per prompt than its count: a prompt's last token goes in with its completions, in place of
+their last token, which predicts nothing.)
 """
 
 from __future__ import annotations

@@ -58,8 +58,15 @@ def _expanded_tree_attention(module, query, key, value, context: TreeContext, wi
     # Read once per call, not per layer (a device sync on CUDA).
     unpadded = cached(context, ("unpadded",), lambda: bool(call.pack_valid.all()))
     causal = ancestors is None and unpadded and expand.window_is_moot(window, rows.shape[1])
+    # Nodes all unpadded, with as many ancestors each (a call of sibling completions under prompts of one length):
+    # every node's mask row is the same, so one row serves them all instead of one per node.
+    uniform = cached(context, ("uniform",), lambda: unpadded and bool(call.ancestor_valid.all()))
     mask = (
-        None if causal else cached(context, ("tree", window, query.dtype), lambda: node_mask(call, window, query.dtype))
+        None
+        if causal
+        else cached(
+            context, ("tree", window, query.dtype), lambda: node_mask(call, window, query.dtype, shared=uniform)
+        )
     )
 
     def unpack(tensor):  # (1, h, T, d) -> (S, h, Lmax, d)
@@ -79,26 +86,29 @@ def _expanded_tree_attention(module, query, key, value, context: TreeContext, wi
     return attend(*tensors)
 
 
-def node_mask(call, window, dtype: torch.dtype) -> torch.Tensor:
+def node_mask(call, window, dtype: torch.dtype, *, shared: bool = False) -> torch.Tensor:
     """(S, 1, Lmax, A + Lmax) additive mask of ``dtype`` (0 or -inf), rows aligned: node queries over [their
-    ancestors' tokens ; their own tokens causally].
+    ancestors' tokens ; their own tokens causally]. With ``shared`` (every node unpadded with A ancestors, so their
+    rows are equal: same ancestors' positions 0 .. A - 1 and own positions after them) the first node's row only,
+    (1, 1, Lmax, A + Lmax), which broadcasts over the nodes.
 
     Written in place from each query's allowed key range (``backends/expand``'s helpers), never as a boolean mask of
     its full size. Padded query rows see their own slot too (a query with no visible key would give NaN that poisons
     gradients). Sliding windows compare positions: ancestor tokens come root first, so their positions increase
     along a node's row, and a node's own positions advance by one per token.
     """
-    valid = call.pack_valid
+    rows = slice(0, 1) if shared else slice(None)
+    valid, ancestor_valid = call.pack_valid[rows], call.ancestor_valid[rows]
     count, width = valid.shape
-    num_ancestors = call.ancestor_valid.shape[1]
+    num_ancestors = ancestor_valid.shape[1]
     mask = expand.empty_additive_mask((count, 1, width, num_ancestors + width), dtype, valid.device)
     prefix, own = mask[..., :num_ancestors], mask[..., num_ancestors:]
     if num_ancestors:
-        prefix.masked_fill_(~call.ancestor_valid[:, None, None, :], float("-inf"))
+        prefix.masked_fill_(~ancestor_valid[:, None, None, :], float("-inf"))
         if window is not None:
             # Padding past a node's ancestors is masked above; a position past every real one keeps the row sorted.
-            key_positions = call.ancestor_positions.masked_fill(~call.ancestor_valid, torch.iinfo(torch.long).max)
-            first = expand.window_start(call.own_positions, key_positions, window)
+            key_positions = call.ancestor_positions[rows].masked_fill(~ancestor_valid, torch.iinfo(torch.long).max)
+            first = expand.window_start(call.own_positions[rows], key_positions, window)
             expand.block_outside(prefix, first, torch.full_like(first[:, :1], num_ancestors - 1))
     expand.fill_own_causal(own, window)
     own.masked_fill_(~valid[:, None, None, :], float("-inf"))

@@ -46,6 +46,10 @@ def forward_call(
         raise ValueError(f"{type(prepared.causal_lm).__name__} ran no attention layer through the shared-prefix path")
     if context.route is None:
         raise ValueError(f"{type(prepared.causal_lm).__name__} did not call its lm_head inside its forward")
+    if not context.needs_grad:
+        # No backward recomputes through this call, and the walk keeps its context while descendants attend over
+        # its keys/values: its masks would stay alive for nothing.
+        context.masks.clear()
     modules = list(context.routes)
     released = release(output, [context.routes[module] for module in modules] + [context.route])
     context.kv = {module: (released[2 * i], released[2 * i + 1]) for i, module in enumerate(modules)}

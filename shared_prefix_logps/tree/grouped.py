@@ -5,6 +5,9 @@ one-level path runs as before."""
 
 from __future__ import annotations
 
+import contextlib
+from contextvars import ContextVar
+
 import torch
 
 from ..inputs import GroupedBatch
@@ -21,6 +24,21 @@ DEEPER_SHARING_MIN_TOKENS = 64
 #: 64 tokens each), its speed relative to one-level sharing was, for 4% / 15% / 25% / 54% of the tokens saved,
 #: 0.79 / 0.94 / 1.08 / 1.95 without gradients and 0.93 / 1.11 / 1.20 / 1.56 with them. Not yet measured on a GPU.
 DEEPER_SHARING_MIN_FRACTION = 0.2
+
+#: Set inside :func:`one_level_sharing`: the tree pass does not run.
+_ONE_LEVEL_ONLY: ContextVar[bool] = ContextVar("one_level_only", default=False)
+
+
+@contextlib.contextmanager
+def one_level_sharing():
+    """Within the block, ``compute_logps``/``compute_logps_concatenated`` share each distinct prompt only (one-level
+    sharing), whatever the prompts share among themselves: the path they took before deeper sharing, kept for
+    comparisons (the benchmark's ``one_level`` method). Results are the same either way; only the work differs."""
+    token = _ONE_LEVEL_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _ONE_LEVEL_ONLY.reset(token)
 
 
 def prompt_tokens_saved(batch: GroupedBatch) -> int:
@@ -46,14 +64,14 @@ def prompt_tokens_saved(batch: GroupedBatch) -> int:
 
 def deeper_sharing_pays(batch: GroupedBatch) -> bool:
     """Whether the tree pass saves enough prompt tokens over one-level sharing (:data:`DEEPER_SHARING_MIN_TOKENS`,
-    :data:`DEEPER_SHARING_MIN_FRACTION`), and may run.
+    :data:`DEEPER_SHARING_MIN_FRACTION`), and may run. Never inside :func:`one_level_sharing`.
 
     With gradients and several processes it may not: there the trainer plug-ins rely on every call making the same
     two forwards (Phase 1 and Phase 2) on every process, as FSDP's collectives are matched by order, while the tree
     pass makes one forward per trie depth, which depends on the process's own rows. (No-grad calls are joined by the
     plug-ins' lockstep, whatever their number of forwards.)
     """
-    if batch.prompt_ids.shape[0] < 2:
+    if batch.prompt_ids.shape[0] < 2 or _ONE_LEVEL_ONLY.get():
         return False
     if torch.is_grad_enabled() and _several_processes():
         return False

@@ -90,15 +90,11 @@ def _bench(args) -> int:
 
     load_before = load_average()
     records = run_sweep(model, methods, shapes, workloads, repeats=args.repeats, progress=progress)
-    meta = dict(
-        preset=args.preset,
-        layers=args.layers,
-        dtype=str(dtype),
-        device=device_name(device),
-        versions=package_versions(),
-        commit=git_commit(),
-        threads=torch.get_num_threads() if device.type == "cpu" else None,
-        load_average=dict(before=load_before, after=load_average()),
+    meta = run_meta(
+        args,
+        dtype,
+        device,
+        load_before,
         timing="interleaved: per repeat one timed step of every method in turn; median per method",
     )
     if args.max_generations:
@@ -130,6 +126,22 @@ def _bench(args) -> int:
             print(f"wrote {path}")
         print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.md'}")
     return 1 if any(r["status"] == "error" for r in records) else 0
+
+
+def run_meta(args, dtype: torch.dtype, device: torch.device, load_before: list[float] | None, **extra) -> dict:
+    """What a results file records about its run: preset, dtype, device, versions, commit, threads, the load
+    average before (``load_before``) and now, and ``extra``."""
+    return dict(
+        preset=args.preset,
+        layers=args.layers,
+        dtype=str(dtype),
+        device=device_name(device),
+        versions=package_versions(),
+        commit=git_commit(),
+        threads=torch.get_num_threads() if device.type == "cpu" else None,
+        load_average=dict(before=load_before, after=load_average()),
+        **extra,
+    )
 
 
 def load_average() -> list[float] | None:

@@ -178,7 +178,7 @@ def run_tree_bench(args, *, methods_given: bool) -> int:
     import sys
     from pathlib import Path
 
-    from .cli import device_name, git_commit, package_versions, progress_bar, set_cpu_threads
+    from .cli import progress_bar, run_meta, set_cpu_threads
     from .presets import build_preset
     from .report import write_json
     from .tree_report import markdown_report, markdown_table
@@ -212,15 +212,11 @@ def run_tree_bench(args, *, methods_given: bool) -> int:
         ):
             records.append(record)
             bar(f"{workload.name} {record['method']} {record['workload']}: {record.get('status')}")
-    meta = dict(
-        preset=args.preset,
-        layers=args.layers,
-        dtype=str(dtype),
-        device=device_name(device),
-        versions=package_versions(),
-        commit=git_commit(),
-        threads=torch.get_num_threads() if device.type == "cpu" else None,
-        load_average=dict(before=load_before, after=load_average()),
+    meta = run_meta(
+        args,
+        dtype,
+        device,
+        load_before,
         tree_workload=workload.name,
         tree_options=kwargs,
         scale="the issue's shapes" if not options else "scaled: " + ", ".join(f"{k}={v}" for k, v in options.items()),

@@ -123,3 +123,19 @@ def star_batch(leaves: int, seed: int = 0):
     score = mask.clone()
     score[:, 0] = False
     return ids, mask, score
+
+
+def spy_tree_calls(monkeypatch) -> list[int]:
+    """A list that grows by the number of rows of every call the tree pass serves for the one-level entry points
+    (``api.score_grouped_as_tree``, as ``compute_logps``/``compute_logps_concatenated`` call it)."""
+    from shared_prefix_logps import api
+
+    calls = []
+    original = api.score_grouped_as_tree
+
+    def spy(prepared, batch, **options):
+        calls.append(int(batch.completion_ids.shape[0]))
+        return original(prepared, batch, **options)
+
+    monkeypatch.setattr(api, "score_grouped_as_tree", spy)
+    return calls

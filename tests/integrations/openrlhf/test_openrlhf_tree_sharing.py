@@ -12,6 +12,7 @@ import pytest
 pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (make test-openrlhf)")
 import torch
 from support.openrlhf_setup import grpo_loss, make_actor, openrlhf_rows
+from support.trees import spy_tree_calls
 
 from shared_prefix_logps.integrations.openrlhf import get_patch, patch_actor
 
@@ -31,19 +32,8 @@ def _pair(**kwargs):
 
 @pytest.fixture
 def tree_calls(monkeypatch):
-    """The number of rows of every call the tree pass served (``score_grouped_as_tree``, as the core entry calls
-    it)."""
-    from shared_prefix_logps import api
-
-    calls = []
-    original = api.score_grouped_as_tree
-
-    def spy(prepared, batch, **options):
-        calls.append(int(batch.completion_ids.shape[0]))
-        return original(prepared, batch, **options)
-
-    monkeypatch.setattr(api, "score_grouped_as_tree", spy)
-    return calls
+    """The number of rows of every call the tree pass served."""
+    return spy_tree_calls(monkeypatch)
 
 
 def _counted(actor, run):

@@ -16,6 +16,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from support import verl_setup as vs  # noqa: E402
 from support.distributed import free_port, set_rank_environment  # noqa: E402
+from support.trees import spy_tree_calls  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -51,19 +52,8 @@ def engines(process_group, tmp_path_factory):
 
 @pytest.fixture
 def tree_calls(monkeypatch):
-    """The number of rows of every call the tree pass served (``score_grouped_as_tree``, as the core entry calls
-    it)."""
-    from shared_prefix_logps import api
-
-    calls = []
-    original = api.score_grouped_as_tree
-
-    def spy(prepared, batch, **options):
-        calls.append(int(batch.completion_ids.shape[0]))
-        return original(prepared, batch, **options)
-
-    monkeypatch.setattr(api, "score_grouped_as_tree", spy)
-    return calls
+    """The number of rows of every call the tree pass served."""
+    return spy_tree_calls(monkeypatch)
 
 
 def counted(engine, run):

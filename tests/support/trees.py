@@ -133,9 +133,9 @@ def spy_tree_calls(monkeypatch) -> list[int]:
     calls = []
     original = api.score_grouped_as_tree
 
-    def spy(prepared, batch, **options):
+    def spy(prepared, batch, *args, **options):
         calls.append(int(batch.completion_ids.shape[0]))
-        return original(prepared, batch, **options)
+        return original(prepared, batch, *args, **options)
 
     monkeypatch.setattr(api, "score_grouped_as_tree", spy)
     return calls

@@ -201,13 +201,17 @@ def _fsdp_worker(rank, port, path, results):
     torch.distributed.init_process_group("gloo")
     from shared_prefix_logps import api
     from shared_prefix_logps.integrations.verl import get_patch, unpatch_verl_engine
+    from shared_prefix_logps.tree import merge
 
+    # Process 0's trie keeps its 3-5-token prompt nodes (the tiny-node rule would merge them into the responses and
+    # leave two depths, as many forwards as process 1's two phases): the processes' forward counts must differ here.
+    merge.MERGE_BELOW_SAVED_TOKENS = 0
     tree_calls = {"no grad": 0, "grad": 0}
     original = api.score_grouped_as_tree
 
-    def spy(prepared, batch, **options):
+    def spy(prepared, batch, *args, **options):
         tree_calls["grad" if torch.is_grad_enabled() else "no grad"] += 1
-        return original(prepared, batch, **options)
+        return original(prepared, batch, *args, **options)
 
     api.score_grouped_as_tree = spy
     patched, unpatched = (vs.build_engine(path, micro_batch_size=MICRO_BATCH) for _ in range(2))

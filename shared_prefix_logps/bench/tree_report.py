@@ -61,7 +61,7 @@ def shape_words(meta: dict) -> str:
             f"{o['prompts']} prompts of {o['prompt_length']}, {o['completions']} completions of {o['completion']} "
             "forking at random depths"
         )
-    return words + ("" if meta["scale"] == "the issue's shapes" else f" ({meta['scale']})")
+    return words + ("" if meta["scale"] == "the preset's shapes" else f" ({meta['scale']})")
 
 
 def markdown_report(meta: dict, records: list[dict]) -> str:
@@ -110,7 +110,7 @@ def readme_table(runs: list[tuple[dict, list[dict]]]) -> str:
             dense, one, tree = (peers.get((step, m)) for m in ("dense", "one_level", "tree"))
             if tree is None:
                 continue
-            scale = "" if meta["scale"] == "the issue's shapes" else " (scaled)"
+            scale = "" if meta["scale"] == "the preset's shapes" else " (scaled)"
             seconds = [f"{r['median_ms'] / 1e3:.0f}" if r else "-" for r in (dense, one, tree)]
             speed = f"{tree['speedup']:.2f} ({tree['floor_speedup']:.2f})" if tree.get("speedup") else "-"
             memory = f"{tree['peak_bytes'] / one['peak_bytes']:.2f}" if one else "-"

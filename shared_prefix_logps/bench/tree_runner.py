@@ -219,7 +219,7 @@ def run_tree_bench(args, *, methods_given: bool) -> int:
         load_before,
         tree_workload=workload.name,
         tree_options=kwargs,
-        scale="the issue's shapes" if not options else "scaled: " + ", ".join(f"{k}={v}" for k, v in options.items()),
+        scale="the preset's shapes" if not options else "scaled: " + ", ".join(f"{k}={v}" for k, v in options.items()),
         timing="first a run under the peak-memory tracker per method (warm-up, log-probs, peak); then per repeat one "
         "timed step of every method in turn; median per method"
         if args.repeats

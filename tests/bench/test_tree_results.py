@@ -1,6 +1,6 @@
 """The committed tree-benchmark results hold what the tree runner promises: token counts and FLOPs rebuilt from the
 workload, no speed-up over dense beyond the floor's (plus timing noise), and on the ``agentic`` preset at real
-widths the issue's criterion: the tree reaches 0.8 of the floor's speed-up, within one-level sharing's peak memory."""
+widths the agentic criterion: the tree reaches 0.8 of the floor's speed-up, within one-level sharing's peak memory."""
 
 import json
 from pathlib import Path
@@ -24,7 +24,7 @@ def _load(path):
 
 def test_there_are_committed_tree_runs():
     assert any(
-        _load(p)[0]["tree_workload"] == "agentic" and _load(p)[0]["scale"] == "the issue's shapes" for p in FILES
+        _load(p)[0]["tree_workload"] == "agentic" and _load(p)[0]["scale"] == "the preset's shapes" for p in FILES
     )
 
 
@@ -85,8 +85,10 @@ def test_the_floor_check_flags_a_speedup_beyond_it():
 
 def test_agentic_at_real_widths_meets_the_criterion():
     runs = [_load(p) for p in FILES]
-    (records,) = [r for meta, r in runs if meta["tree_workload"] == "agentic" and meta["scale"] == "the issue's shapes"]
-    meta = next(m for m, _ in runs if m["tree_workload"] == "agentic" and m["scale"] == "the issue's shapes")
+    (records,) = [
+        r for meta, r in runs if meta["tree_workload"] == "agentic" and meta["scale"] == "the preset's shapes"
+    ]
+    meta = next(m for m, _ in runs if m["tree_workload"] == "agentic" and m["scale"] == "the preset's shapes")
     assert meta["preset"] == "qwen2.5-0.5b" and meta["layers"] == 2 and meta["dtype"] == "torch.float32"
     score = {r["method"]: r for r in records if r["workload"] == "score"}
     tree, one_level = score["tree"], score["one_level"]

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from support.distributed import free_port
 from support.tiny_models import build_model
+from support.trees import pad_alternating
 
 from shared_prefix_logps import chunked_backward_tree, compute_logps_tree
 
@@ -31,17 +32,7 @@ def _rows(rank: int):
         system + prompts[1] + [base + 23],  # a prefix of the row above
         system + prompts[1] + [base + 26, base + 27],
     ]
-    width = max(len(r) for r in rows) + 1
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, row in enumerate(rows):
-        span = slice(width - len(row), width) if i % 2 else slice(0, len(row))
-        ids[i, span] = torch.tensor(row)
-        mask[i, span] = True
-    score = mask.clone()
-    score[torch.arange(len(rows)), mask.long().argmax(1)] = False
-    score[:, 3] = False  # a hole
-    return ids, mask, score
+    return pad_alternating(rows)
 
 
 def _loss(out, rows=None):

@@ -26,26 +26,12 @@ from support.distributed import (
     wrap_fsdp2,
 )
 from support.tiny_models import build_model
+from support.trees import pad_alternating
 
 from shared_prefix_logps import chunked_backward_tree, compute_logps_tree
 from shared_prefix_logps.tree.inputs import check_tree_rows
 from shared_prefix_logps.tree.merge import MERGE_BELOW_SAVED_TOKENS, rows_trie
 from shared_prefix_logps.tree.plan import levels
-
-
-def _pad(rows: list[list[int]]):
-    """(ids, mask, score) of ``rows``, odd rows left-padded, every position after a row's first scored but one."""
-    width = max(len(r) for r in rows) + 1
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, row in enumerate(rows):
-        span = slice(width - len(row), width) if i % 2 else slice(0, len(row))
-        ids[i, span] = torch.tensor(row)
-        mask[i, span] = True
-    score = mask.clone()
-    score[torch.arange(len(rows)), mask.long().argmax(1)] = False
-    score[:, 3] = False  # a hole
-    return ids, mask, score
 
 
 def _rows(rank: int, scenario: str):
@@ -56,8 +42,10 @@ def _rows(rank: int, scenario: str):
     system = list(range(base, base + 5))
     prompts = [[base + 10, base + 11], [base + 12, base + 13, base + 14]]
     if scenario in ("different", "merged") and rank == 1:
-        return _pad([system + [base + 20, base + 21], system + [base + 22], [base + 30, base + 31, base + 32]])
-    return _pad(
+        return pad_alternating(
+            [system + [base + 20, base + 21], system + [base + 22], [base + 30, base + 31, base + 32]]
+        )
+    return pad_alternating(
         [
             system + prompts[0] + [base + 20, base + 21],
             system + prompts[0] + [base + 22],

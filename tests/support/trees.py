@@ -139,3 +139,19 @@ def spy_tree_calls(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(api, "score_grouped_as_tree", spy)
     return calls
+
+
+def pad_alternating(rows: list[list[int]]):
+    """(ids, mask, score) of ``rows``: (N, longest + 1) int64 / bool / bool, even rows right-padded and odd rows
+    left-padded, every real position scored but each row's first and column 3 (a hole)."""
+    width = max(len(r) for r in rows) + 1
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        span = slice(width - len(row), width) if i % 2 else slice(0, len(row))
+        ids[i, span] = torch.tensor(row)
+        mask[i, span] = True
+    score = mask.clone()
+    score[torch.arange(len(rows)), mask.long().argmax(1)] = False
+    score[:, 3] = False  # a hole
+    return ids, mask, score

@@ -422,6 +422,21 @@ def assert_metrics_close(ours: dict, theirs: dict, *, rtol: float = 1e-5, atol: 
     return worst
 
 
+def assert_same_training_step(ours: dict, theirs: dict, rank: int) -> None:
+    """Two processes' records of one training step (``loss``, ``metrics`` as :func:`metric_values` pairs, ``params``
+    after the step) agree: loss within 1e-5 relative, same metric names and aggregations with values within
+    rtol 1e-5 / atol 1e-6, parameters within 1e-6."""
+    import pytest
+
+    assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+    assert ours["metrics"].keys() == theirs["metrics"].keys()
+    for key, (aggregation, values) in theirs["metrics"].items():
+        assert ours["metrics"][key][0] == aggregation
+        assert torch.allclose(torch.tensor(ours["metrics"][key][1]), torch.tensor(values), rtol=1e-5, atol=1e-6)
+    worst = max((ours["params"][n] - theirs["params"][n]).abs().max().item() for n in theirs["params"])
+    assert worst < 1e-6, (rank, worst)
+
+
 def randomize_lora(engine, std: float = 0.2, seed: int = 0) -> None:
     """Give the LoRA matrices of an engine's (sharded) model the same values on every engine built alike: PEFT draws
     A at random when it builds the model and starts B at zero, which makes the adapter a no-op."""

@@ -4,51 +4,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from .run_info import load_average, progress_bar, run_meta, set_cpu_threads
+
 #: The methods `bench` runs on GRPO-shaped batches when --methods is not given.
 DEFAULT_METHODS = "dense,trl,kv_expand,prefix_grouper,liger,expand,flex,chunked"
-
-
-def package_versions() -> dict:
-    import transformers
-
-    import shared_prefix_logps
-
-    versions = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "shared_prefix_logps": shared_prefix_logps.__version__,
-    }
-    for name in ("triton", "trl", "peft"):
-        try:
-            versions[name] = __import__(name).__version__
-        except ImportError:
-            pass
-    return versions
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-        )
-    except OSError:
-        return None
-    return out.stdout.strip() or None
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return platform.processor() or platform.machine()
 
 
 def _bench(args) -> int:
@@ -128,42 +92,6 @@ def _bench(args) -> int:
     return 1 if any(r["status"] == "error" for r in records) else 0
 
 
-def run_meta(args, dtype: torch.dtype, device: torch.device, load_before: list[float] | None, **extra) -> dict:
-    """What a results file records about its run: preset, dtype, device, versions, commit, threads, the load
-    average before (``load_before``) and now, and ``extra``."""
-    return dict(
-        preset=args.preset,
-        layers=args.layers,
-        dtype=str(dtype),
-        device=device_name(device),
-        versions=package_versions(),
-        commit=git_commit(),
-        threads=torch.get_num_threads() if device.type == "cpu" else None,
-        load_average=dict(before=load_before, after=load_average()),
-        **extra,
-    )
-
-
-def load_average() -> list[float] | None:
-    """The 1, 5 and 15 minute load averages, where the platform has them."""
-    try:
-        return [round(v, 2) for v in os.getloadavg()]
-    except (AttributeError, OSError):
-        return None
-
-
-def set_cpu_threads(threads: int | None, device: torch.device) -> None:
-    """``threads`` CPU threads for torch; by default one on CPU (a loaded machine stalls many threads at every
-    barrier of the shared path's many small ops, so torch's default measures the load more than the code), and
-    torch's own setting where the work runs on CUDA. ``0`` keeps torch's default."""
-    if threads is None:
-        threads = 1 if device.type == "cpu" else 0
-    if threads < 0:
-        raise ValueError(f"threads must be >= 0, got {threads}")
-    if threads:
-        torch.set_num_threads(threads)
-
-
 def _markdown_report(meta: dict, table: str) -> str:
     versions = ", ".join(f"{k} {v}" for k, v in meta["versions"].items())
     load = meta.get("load_average") or {}
@@ -186,28 +114,6 @@ def _markdown_report(meta: dict, table: str) -> str:
         mg = meta["max_generations"]
         lines += ["", f"Largest G that fits (train, P={mg['prompt_len']}, C={mg['completion_len']}): {mg['by_method']}"]
     return "\n".join(lines) + "\n"
-
-
-def progress_bar(total: int):
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        tqdm = None
-    if tqdm is not None:
-        bar = tqdm(total=total, file=sys.stderr)
-
-        def update(text):
-            bar.set_postfix_str(text)
-            bar.update(1)
-
-        return update
-    done = [0]
-
-    def update(text):
-        done[0] += 1
-        print(f"[{done[0]}/{total}] {text}", file=sys.stderr, flush=True)
-
-    return update
 
 
 def package_version() -> str:

@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from .cli import set_cpu_threads
 from .memory import peak_memory
 from .methods import METHODS, compute_logps_step
 from .presets import PRESETS, build_preset
+from .run_info import set_cpu_threads
 from .runner import Shape, make_batch, work_counts
 
 

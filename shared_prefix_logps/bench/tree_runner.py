@@ -17,6 +17,7 @@ import torch
 
 from .flops import ModelShape
 from .memory import peak_memory
+from .run_info import load_average, progress_bar, run_meta, set_cpu_threads
 from .runner import failure_record, synchronize
 from .tree_flops import method_flops
 from .tree_methods import DEFAULT_DENSE_TOKENS, TREE_METHODS, TreeCase
@@ -24,14 +25,6 @@ from .tree_workloads import WORKLOADS, TreeWorkload, forwarded_tokens
 
 #: How far beyond the floor's speed-up a measured one may land before it is flagged (timing noise).
 FLOOR_TOLERANCE = 0.1
-
-
-def load_average() -> list[float] | None:
-    """The 1, 5 and 15 minute load averages (``cli.load_average``, imported here late: ``cli`` imports this
-    module)."""
-    from .cli import load_average as load
-
-    return load()
 
 
 def _cleanup(model) -> None:
@@ -178,7 +171,6 @@ def run_tree_bench(args, *, methods_given: bool) -> int:
     import sys
     from pathlib import Path
 
-    from .cli import progress_bar, run_meta, set_cpu_threads
     from .presets import build_preset
     from .report import write_json
     from .tree_report import markdown_report, markdown_table

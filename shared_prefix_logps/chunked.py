@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .api import packed_layout, resolve_attention_backend
+from .backends.choice import packed_layout, resolve_attention_backend
 from .batch_plan import placeholder_chunk, plan_generation_chunks
 from .distributed.backward_driver import backward_chunk_loss, backward_driver
 from .distributed.lockstep import call_lockstep, placeholder_prefix

@@ -9,7 +9,7 @@
   the unscored ones are dropped afterwards.
 - ``tree``: ``compute_logps_tree`` (score) and ``chunked_backward_tree`` (train): every trie token forwarded once.
   The tiny-node rule is off here (``merge_tiny_nodes=False``), so that the tokens forwarded are the trie's, the
-  floor the records count; the rule's own trade is measured by ``python -m shared_prefix_logps.tree.node_cost``.
+  floor the records count; the rule's own trade is measured by ``python -m shared_prefix_logps.bench.node_cost``.
 
 Every step returns the detached (N, L) float32 log-probs at the workload's scored positions, 0 elsewhere; training
 steps back-propagate the sum of those log-probs.

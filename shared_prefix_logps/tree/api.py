@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..backends.choice import resolve_attention_backend
 from ..distributed.lockstep import Lockstep, call_lockstep
 from ..inputs import check_options
 from ..model import PreparedModel, prepare_model
@@ -92,8 +93,6 @@ def _score(prepared, rows, temperature, return_entropy, backend, token_budget, r
         logps, entropy = dense_tree_logps(prepared, rows, temperature=temperature, return_entropy=return_entropy)
         return LogpsOutput(logps, entropy, rows.score_mask)
     if backend == "flex":
-        from ..api import resolve_attention_backend  # ..api reaches this module through tree/grouped.py
-
         resolve_attention_backend(backend, prepared.device)  # refuses flex where torch lacks it (or its backward)
     # auto is expand everywhere, CUDA included, until the flex layout of trees has run on a GPU.
     return score_tree_rows(

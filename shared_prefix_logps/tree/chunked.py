@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..api import resolve_attention_backend
+from ..backends.choice import resolve_attention_backend
 from ..distributed.backward_driver import DeepSpeedBackward, backward_chunk_loss, backward_driver
 from ..inputs import as_int, check_options
 from ..model import prepare_model

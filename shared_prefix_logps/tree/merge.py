@@ -23,7 +23,7 @@ from .trie import PrefixTrie, assemble_trie, build_trie
 
 #: A node is merged into its children when sharing it saves fewer forwarded tokens than this: the fixed cost of one
 #: more node call (one more trie depth) in forwarded-token equivalents. Measured on CPU with ``python -m
-#: shared_prefix_logps.tree.node_cost`` (float32, Qwen2 shape: hidden 256, 2 layers, vocabulary 2000, one thread; a
+#: shared_prefix_logps.bench.node_cost`` (float32, Qwen2 shape: hidden 256, 2 layers, vocabulary 2000, one thread; a
 #: 64-token shared prompt, a fork node of m = 1..32 tokens above 4 leaves of 32 tokens, unmerged vs merged): the
 #: break-even of three runs on a shared, loaded 2-core machine was 46 / 35 / 56 tokens with gradients (forward and
 #: backward; a node call 28-58 ms, a token 0.6-1.7 ms) and 57 / 97 / 52 without (a call 16-25 ms, a token 0.26-0.35

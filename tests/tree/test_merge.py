@@ -8,8 +8,8 @@ from support.tiny_models import build_model
 from support.trees import pad_rows, random_tree_rows
 
 from shared_prefix_logps import chunked_backward_tree, compute_logps_tree
+from shared_prefix_logps.bench.node_cost import fork_rows
 from shared_prefix_logps.tree.merge import MERGE_BELOW_SAVED_TOKENS, merge_decisions, merge_tiny_nodes
-from shared_prefix_logps.tree.node_cost import fork_rows
 from shared_prefix_logps.tree.trie import build_trie
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

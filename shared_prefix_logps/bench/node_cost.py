@@ -1,4 +1,4 @@
-"""Re-measure the tiny-node rule's threshold (:data:`~.merge.MERGE_BELOW_SAVED_TOKENS`): the fixed cost of one node
+"""Re-measure the tiny-node rule's threshold (``tree.merge.MERGE_BELOW_SAVED_TOKENS``): the fixed cost of one node
 call in forwarded-token equivalents, on this machine.
 
 The workload: a shared prompt of ``prompt`` tokens with two children, a leaf of ``leaf`` tokens and a fork node of
@@ -7,7 +7,7 @@ depth); merged, its ``m`` tokens are forwarded once per leaf, ``m * (leaves - 1)
 merging is then ``call_cost - token_cost * m * (leaves - 1)``: a line in the extra tokens, fitted by least squares
 over several ``m``; its intercept over its slope is the break-even, the tokens a node call costs.
 
-Run ``python -m shared_prefix_logps.tree.node_cost`` (add ``--help`` for the sizes).
+Run ``python -m shared_prefix_logps.bench.node_cost`` (add ``--help`` for the sizes).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import time
 import torch
 
 from ..model import prepare_model
-from .api import score_tree_rows
-from .inputs import check_tree_rows
+from ..tree.api import score_tree_rows
+from ..tree.inputs import check_tree_rows
 
 
 def fork_rows(m: int, *, prompt: int, leaf: int, leaves: int, vocab: int, seed: int = 0):

@@ -1,11 +1,9 @@
 """shared-prefix-logps: per-token log-probs of G completions per prompt, each prompt forwarded once."""
 
-from .api import compute_logps, compute_logps_concatenated
-from .chunked import chunked_backward
+from .api import compute_logps, compute_logps_concatenated, compute_logps_tree
 from .errors import UnsupportedModelError
 from .output import LogpsOutput
-from .tree.api import compute_logps_tree
-from .tree.chunked import chunked_backward_tree
+from .training import chunked_backward, chunked_backward_tree
 
 __all__ = [
     "LogpsOutput",

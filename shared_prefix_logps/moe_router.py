@@ -1,4 +1,4 @@
-"""The MoE router load-balancing loss of full rows ``[prompt | completion]``, from the shared-prefix phases.
+"""The MoE router load-balancing loss of full rows ``[prompt | completion]``, from node calls.
 
 transformers' MoE causal LMs (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS) return, with ``output_router_logits=True``,
 ``aux_loss = load_balancing_loss_func(router_logits, num_experts, top_k, attention_mask)``: over every (MoE layer,
@@ -9,9 +9,10 @@ real token) pair of the batch,
 with ``count_e`` the number of top-k picks of expert e (from the softmax of the router logits; no gradient),
 ``prob_e`` the sum of the router probabilities of e, and N the number of (layer, token) pairs. It is a product of
 sums over tokens, so it is not additive over rows, but its two sums are: :class:`RouterStats` keeps them per row,
-and the loss of any set of rows is formed from the rows' sums. In the shared path a prompt token runs once (Phase 1)
-and belongs to every row of its prompt: its sums are added to each of those rows, which weights it by the number of
-rows that share it, as the dense batch (where it runs once per row) does.
+and the loss of any set of rows is formed from the rows' sums. In the shared path a trie node's tokens run once and
+belong to every row through the node: each row's statistics are the sums of the nodes on its path
+(:func:`path_sums`), which weights a shared token by the number of rows that contain it, as the dense batch (where it
+runs once per row) does.
 """
 
 from __future__ import annotations
@@ -108,3 +109,27 @@ def token_sums(router_logits, token_index: torch.Tensor, owner: torch.Tensor, ow
         probs = probs.index_add(0, owner, weights.float())
     tokens = torch.bincount(owner, minlength=owners).float() * len(router_logits)
     return counts, probs, tokens
+
+
+def path_sums(paths: torch.Tensor, stats: list, num_nodes: int, num_experts: int) -> RouterStats:
+    """Each row's router statistics: the sums of the nodes on its path.
+
+    Args:
+        paths: (rows, depth) int64, each row's nodes (-1 past its end).
+        stats: ``(nodes, counts, probs, tokens)`` per node call, the statistics of each of its nodes: (S,) int64,
+            (S, E), (S, E) (differentiable), (S,) float32. A shared node's sums go to every row through it, which
+            weights its tokens by the number of rows that contain them, as the dense batch does.
+        num_nodes: nodes of the trie; num_experts: E as the model's loss uses it.
+    """
+    device = stats[0][1].device if stats else paths.device
+    sums = []
+    for i in range(1, 4):
+        width = (num_experts,) if i < 3 else ()
+        per_node = torch.zeros((num_nodes, *width), dtype=torch.float32, device=device)
+        if stats:
+            nodes = torch.cat([entry[0] for entry in stats]).to(device)
+            per_node = per_node.index_copy(0, nodes, torch.cat([entry[i] for entry in stats]))
+        valid = (paths >= 0).to(device)
+        gathered = per_node[paths.clamp(min=0).to(device)]
+        sums.append((gathered * valid.view(*valid.shape, *(1,) * len(width))).sum(1))
+    return RouterStats(*sums, num_experts)

@@ -6,10 +6,11 @@ import pytest
 import torch
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session", autouse=True)
 def one_torch_thread():
-    """One torch thread for a module's tests: the models are tiny, so one thread is as fast, and much faster when
-    other processes compete for the cores. Modules opt in with ``pytestmark = pytest.mark.usefixtures(...)``."""
+    """One torch thread for every test: the models are tiny, so one thread is as fast, and much faster when other
+    processes compete for the cores (a second thread spinning on a loaded core made a test of many small forwards six
+    times slower). A test that needs more threads sets them itself."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -1,11 +1,14 @@
-"""The attention backends, one module each, chosen by the ``backend`` option (``inputs.ATTENTION_BACKENDS``):
+"""The attention layouts of a node call, one module each, chosen by the ``backend`` option
+(``inputs.ATTENTION_BACKENDS``, resolved by ``choice``), each serving every depth of the trie:
 
-- ``expand``: Phase 2 rows attend with SDPA over their prompt's gathered keys/values (any device; CPU's default);
-- ``flex``: rows packed into one sequence per phase, one compiled ``flex_attention`` call per layer (CUDA's default);
-- ``flash``: the packed layout on flash-attn's varlen kernels, Phase 2 as a prefix part and an own part merged by
-  log-sum-exp (no mask, no copy of a prefix);
-- ``dense``: no phases, every ``[prompt | completion]`` row through the model's own forward (the reference path).
+- ``expand``: each node a row attending with SDPA over its ancestors' gathered keys/values (any device; CPU's
+  default);
+- ``flex``: the call's tokens packed, one compiled ``flex_attention`` call per layer over the ancestors' keys/values
+  in place, a mask built from the trie's structure (CUDA's default);
+- ``flash``: the packed tokens on flash-attn's varlen kernels, one part per ancestor level and the own part merged by
+  log-sum-exp (no mask, no copy of an ancestor).
 
-``expand``, ``flex`` and ``flash`` are called from inside the model's forward by ``forward/attention.py``; ``dense``
-is called by the entry points instead of the phases.
+They are called from inside the model's forward by ``forward/attention.py`` and import nothing from it: what a
+layout reads arrives as arguments (the node call, its ancestors' keys/values, the call's cache). ``backend="dense"``
+is the reference the entry points run instead (``engine/dense.py``).
 """

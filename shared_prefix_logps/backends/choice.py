@@ -1,5 +1,5 @@
-"""Which attention backend a call runs: ``backend=`` of the entry points resolved for the model's device and the grad
-mode, before the first forward."""
+"""Which layout a call's node calls run: ``backend=`` of the entry points resolved for the model's device and the grad
+mode, before the first forward (``dense`` is not a layout: the entry points run the reference instead)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from .flex import backward_available, flex_available
 
 
 def resolve_attention_backend(backend: str, device: torch.device) -> str:
-    """The concrete backend for ``backend`` on ``device`` with the current grad mode.
+    """The layout for ``backend`` on ``device`` with the current grad mode, at every depth of the trie.
 
     ``auto`` is ``flex`` on CUDA and ``expand`` elsewhere. ``flex`` needs flex_attention's backward, which torch has
     on CUDA only, when gradients are enabled. ``flash`` needs flash-attn's kernels (CUDA, package installed).
@@ -28,9 +28,3 @@ def resolve_attention_backend(backend: str, device: torch.device) -> str:
                 "under torch.no_grad() for scoring"
             )
     return backend
-
-
-def packed_layout(backend: str) -> bool | str:
-    """The ``packed`` argument of the phases for a concrete ``backend``: its name for the packed backends, else
-    False (the padded layout)."""
-    return backend if backend in ("flex", "flash") else False

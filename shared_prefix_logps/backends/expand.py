@@ -1,27 +1,29 @@
-"""The ``expand`` backend: each completion row attends over [its prompt's keys/values ; its own keys] with SDPA.
+"""The ``expand`` layout of a node call: each node one row of a padded batch, attending with SDPA over its ancestors'
+keys/values (gathered per node from the ancestor store) and causally over its own tokens. The model itself sees the
+nodes' tokens packed (no padding forwarded): queries, keys and values are unpacked into rows here and the output
+packed back.
 
-Phase 1 runs causal attention over the left-padded prompts: an unpadded batch of prompts without a window shorter
-than the prompt runs SDPA with ``is_causal=True`` and no mask (kernels skip the key tiles above the diagonal), others
-with one additive mask shared by every layer. Phase 2 gathers each row's prompt keys/values (a copy per row) and
-attends with one additive mask per phase, shared by every layer: (1, 1, C, L + C) for all rows when no prompt is
-padded and there is no window, (rows, 1, C, L + C) otherwise. Every mask is allocated with its last dim rounded up
+Masks: a call whose nodes have no ancestors and no window shorter than their tokens runs causal SDPA without a mask
+(kernels skip the key tiles above the diagonal): nodes are left-justified in their rows, so the padding after a
+shorter node is never visible to its real queries. A call whose nodes all have as many ancestor tokens (sibling
+completions under prompts of one length) shares one (1, 1, Lmax, A + Lmax) mask row among its nodes. Others get one
+(S, 1, Lmax, A + Lmax) mask. Each is built once per call and shared by every layer, its last dim allocated rounded up
 to a multiple of 16 and passed as a slice, so its row stride is aligned and SDPA's memory-efficient kernel does not
 copy it in every layer (and save the copy for backward).
 
 On CUDA (the fused-kernel path) the SDPA kernel is chosen per call signature by asking torch which kernels accept
 the call, in torch's own priority order, cuDNN included (``sdpa_kernels``); KV heads are repeated only when the
-chosen kernel rejects grouped heads; with gradients the per-row gather is recomputed in backward instead of saved;
+chosen kernel rejects grouped heads; with gradients the per-node gather is recomputed in backward instead of saved;
 softcap/sinks models, whose scores are computed explicitly, are refused above a memory budget.
 
-Memory beyond the model's own activations (L = P - 1 prefix keys, C completion tokens, h query and g KV heads of
-size d, s bytes per element; formulas and figures in ``expand_memory``, no-grad scoring batches sized by them in
-``token_budget``):
+Memory beyond the model's own activations (A ancestor keys, L node tokens, h query and g KV heads of size d, s bytes
+per element; formulas and figures in ``expand_memory``, no-grad chunks of rows sized by them in ``engine/budget``):
 
-- masks: Phase 1 L x pad16(L) x s per padded prompt (none unpadded); Phase 2 C x pad16(L + C) x s per row, quadratic
-  and G-fold (2.1 GiB per prompt at P = 16k, G = 64, C = 1k, bf16), or once for all rows (unpadded, no window);
-- gathered K/V: 2 x g x (L + C) x d x s per row per layer (recomputed in backward, not saved, on CUDA);
-- repeated K/V: 2 x h x (L + C) x d x s per row, only for a kernel that rejects grouped heads;
-- explicit scores (softcap, sinks): h x C x (L + C) x (4 + 2s) per row, h x L x L x (4 + 2s) per prompt.
+- masks: L x pad16(A + L) x s per node, quadratic and G-fold for completions of long prompts (2.1 GiB per prompt at
+  P = 16k, G = 64, C = 1k, bf16), or once for all nodes (equal ancestors, no window);
+- gathered K/V: 2 x g x (A + L) x d x s per node per layer (recomputed in backward, not saved, on CUDA);
+- repeated K/V: 2 x h x (A + L) x d x s per node, only for a kernel that rejects grouped heads;
+- explicit scores (softcap, sinks): h x L x (A + L) x (4 + 2s) per node.
 """
 
 from __future__ import annotations
@@ -30,65 +32,102 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from ..forward.context import CaptureContext, SharedContext, cached
 from . import sdpa_kernels
 from .expand_memory import check_explicit_scores, padded_width
 
 
-def capture_attention(query, key, value, context: CaptureContext, window, options):
-    """Phase 1: (prompts, heads, L, head_dim) queries over their own prompt's keys, causally; (prompts, L, heads, d)."""
-    length = key.shape[2]
-    if window_is_moot(window, length) and cached(context, ("unpadded",), lambda: bool(context.key_valid.all())):
-        return masked_attention(query, key, value, None, is_causal=True, **options)
-    mask = cached(context, ("prefix", window, query.dtype), lambda: prefix_mask(context, window, query.dtype))
-    return masked_attention(query, key, value, mask, **options)
+def cached(cache: dict, key, build):
+    """``cache[key]``, built by ``build()`` on first use: a node call's masks depend on the layer only through its
+    sliding window, so each is built once per call (``cache`` is the call context's ``masks``)."""
+    if key not in cache:
+        cache[key] = build()
+    return cache[key]
 
 
-def shared_attention(module, query, key, value, context: SharedContext, window, options):
-    """Phase 2: (rows, heads, C, head_dim) completion queries over [their prompt's keys ; their own, causally]."""
-    capture = context.capture
-    if capture is None:
-        if window_is_moot(window, key.shape[2]):
-            return masked_attention(query, key, value, None, is_causal=True, **options)
-        own = cached(context, ("own", window, query.dtype), lambda: own_mask(context, window, query.dtype))
-        return masked_attention(query, key, value, own, **options)
-    prefix_key, prefix_value = capture.kv_of(module)
-    rows = context.group_index
-    mask = cached(context, ("shared", window, query.dtype), lambda: shared_mask(context, window, query.dtype))
-    return gathered_attention(query, prefix_key, prefix_value, key, value, rows, mask, options)
+def node_attention(query, key, value, call, ancestors, cache: dict, window, options) -> torch.Tensor:
+    """transformers-layout attention output (1, T, heads, v_head_dim) of a node call.
+
+    Args:
+        query: (1, heads, T, head_dim); key/value: (1, kv_heads, T, head_dim), post-RoPE, packed.
+        call: the :class:`~shared_prefix_logps.engine.node_calls.NodeCall` (``pack_index``, ``pack_valid``,
+            ``ancestor_index``, ``ancestor_valid``, ``positions``).
+        ancestors: each source call's (key, value), (kv_heads, tokens, head_dim), in ``call.sources`` order.
+        cache: the call's cache of masks; window: the layer's sliding window or None; options: as for
+            :func:`masked_attention`.
+
+    The gathered (S, kv_heads, A + Lmax, head_dim) copies are per node; on the fused-kernel path with gradients they
+    are not saved for backward, where every layer's would be held at once: the gather and the attention are
+    recomputed in backward from the packed and stored keys/values.
+    """
+    rows, index = call.pack_index, call.ancestor_index
+    store = None
+    if ancestors:
+        store = ancestors[0] if len(ancestors) == 1 else tuple(torch.cat(part, dim=1) for part in zip(*ancestors))
+    width = rows.shape[1]
+    causal = store is None and window_is_moot(window, width)
+    # Every node with as many ancestor tokens and no window: every node's mask row is the same (own padding comes
+    # after a node's real tokens, so causality hides it from them).
+    uniform = cached(cache, ("uniform",), lambda: bool(call.ancestor_valid.all())) and window_is_moot(
+        window, index.shape[1] + width
+    )
+    mask = None
+    if not causal:
+        mask = cached(
+            cache, ("expand", window, query.dtype), lambda: node_mask(call, window, query.dtype, shared=uniform)
+        )
+
+    def unpack(tensor):  # (1, h, T, d) -> (S, h, Lmax, d)
+        return tensor[0][:, rows].transpose(0, 1)
+
+    def attend(query, key, value, *stored):
+        keys, values = unpack(key), unpack(value)
+        if stored:
+            keys = torch.cat([stored[0][:, index].transpose(0, 1), keys], dim=2)
+            values = torch.cat([stored[1][:, index].transpose(0, 1), values], dim=2)
+        output = masked_attention(unpack(query), keys, values, mask, is_causal=causal, **options)
+        return output[call.pack_valid][None]  # (S, Lmax, heads, v_head_dim) -> (1, T, heads, v_head_dim)
+
+    tensors = (query, key, value, *(store or ()))
+    # Only a gather of ancestors is worth recomputing: a call without ancestors copies nothing per node.
+    if store is not None and _fused_path(query) and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return torch.utils.checkpoint.checkpoint(attend, *tensors, use_reentrant=False)
+    return attend(*tensors)
+
+
+def node_mask(call, window, dtype: torch.dtype, shared: bool = False) -> torch.Tensor:
+    """(S, 1, Lmax, A + Lmax) additive mask of ``dtype`` (0 or -inf), rows aligned: node queries over [their
+    ancestors' tokens ; their own tokens causally]. With ``shared`` (every node with A ancestor tokens, no window)
+    the first node's row only, (1, 1, Lmax, A + Lmax), which broadcasts over the nodes.
+
+    Written in place from each query's allowed key range, never as a boolean mask of its full size. Padded query
+    rows see their own slot too (a query with no visible key would give NaN that poisons gradients). Sliding windows
+    compare positions: a node's ancestor tokens sit at positions 0 .. A - 1 (their columns) and its own follow them.
+    """
+    rows = slice(0, 1) if shared else slice(None)
+    valid, ancestor_valid = call.pack_valid[rows], call.ancestor_valid[rows]
+    count, width = valid.shape
+    num_ancestors = ancestor_valid.shape[1]
+    mask = empty_additive_mask((count, 1, width, num_ancestors + width), dtype, valid.device)
+    prefix, own = mask[..., :num_ancestors], mask[..., num_ancestors:]
+    if num_ancestors:
+        prefix.masked_fill_(~ancestor_valid[:, None, None, :], float("-inf"))
+        if window is not None:
+            # A node's ancestor tokens sit at positions 0 .. A - 1, its own after them: the first key a query at
+            # position q sees is the one at q - window + 1.
+            own_positions = ancestor_valid.sum(1, keepdim=True) + torch.arange(width, device=valid.device)
+            first = (own_positions - window + 1).clamp(min=0)
+            block_outside(prefix, first, torch.full_like(first[:, :1], num_ancestors - 1))
+    fill_own_causal(own, window)
+    if not shared:
+        own.masked_fill_(~valid[:, None, None, :], float("-inf"))
+        own.diagonal(dim1=-2, dim2=-1).fill_(0)
+    return mask
 
 
 def window_is_moot(window, length: int) -> bool:
     """Whether a sliding ``window`` hides nothing from a causal query over ``length`` keys (the farthest key of the
     last query is ``length - 1`` positions back)."""
     return window is None or window >= length
-
-
-def gathered_attention(query, prefix_key, prefix_value, key, value, rows, mask, options) -> torch.Tensor:
-    """Completion rows attending over [their group's prefix ; their own keys].
-
-    Args:
-        query: (rows, heads, C, head_dim); key/value: (rows, kv_heads, C, head_dim) of the rows' own tokens.
-        prefix_key/prefix_value: (prompts, kv_heads, P, head_dim), one per prompt; ``rows`` (rows,) int64 gives
-            each row's prompt.
-        mask: (rows, 1, C, P + C) additive mask in ``query``'s dtype (one row expanded when every row's is the
-            same); options: as for :func:`masked_attention`.
-
-    Returns (rows, C, heads, v_head_dim). Each row needs its prompt's keys/values in one tensor, a copy per row
-    (G per prompt) in every layer. On the fused-kernel path with gradients those (rows, kv_heads, P + C, head_dim)
-    copies are not saved for backward (where they would be held for every layer at once until backward): the
-    gather and the attention are recomputed in backward from the prompts' keys/values, one layer at a time.
-    """
-
-    def attend(query, prefix_key, prefix_value, key, value):
-        keys = torch.cat([prefix_key[rows], key], dim=2)
-        values = torch.cat([prefix_value[rows], value], dim=2)
-        return masked_attention(query, keys, values, mask, **options)
-
-    tensors = (query, prefix_key, prefix_value, key, value)
-    if _fused_path(query) and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return torch.utils.checkpoint.checkpoint(attend, *tensors, use_reentrant=False)
-    return attend(*tensors)
 
 
 def empty_additive_mask(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -101,76 +140,12 @@ def empty_additive_mask(shape, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.zeros(*leading, padded_width(width), dtype=dtype, device=device)[..., :width]
 
 
-def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The boolean ``mask`` (True where a query may attend) as an additive mask of ``dtype``: 0 or -inf, rows
-    aligned (:func:`empty_additive_mask`).
-
-    Built once per phase and shared by every layer: given a boolean mask, SDPA's math kernel builds this tensor
-    itself in every layer and saves each copy for backward.
-    """
-    return empty_additive_mask(mask.shape, dtype, mask.device).masked_fill_(~mask, float("-inf"))
-
-
-def prefix_mask(context: CaptureContext, window, dtype: torch.dtype) -> torch.Tensor:
-    """Phase 1's additive mask of ``dtype``, (num_prompts, 1, L, L), rows aligned: causal, no padded keys, keys
-    within the window, and every query sees at least itself (a padded query would otherwise see no key at all and
-    produce NaN that poisons gradients)."""
-    key_valid, positions = context.key_valid, context.positions
-    length = key_valid.shape[1]
-    mask = empty_additive_mask((key_valid.shape[0], 1, length, length), dtype, key_valid.device)
-    mask.masked_fill_(~key_valid[:, None, None, :], float("-inf"))
-    index = torch.arange(length, device=key_valid.device)[None]
-    block_outside(mask, window_start(positions, positions, window), index)
-    mask.diagonal(dim1=-2, dim2=-1).fill_(0)
-    return mask
-
-
-def own_mask(context: SharedContext, window, dtype: torch.dtype) -> torch.Tensor:
-    """(1, 1, C, C) additive mask of ``dtype`` of a completion row over its own tokens, rows aligned."""
-    length = context.positions.shape[1]
-    mask = empty_additive_mask((1, 1, length, length), dtype, context.positions.device)
-    fill_own_causal(mask, window)
-    return mask
-
-
-def shared_mask(context: SharedContext, window, dtype: torch.dtype) -> torch.Tensor:
-    """Phase 2's additive mask of ``dtype``, rows aligned: (rows, 1, C, L + C), or (1, 1, C, L + C) expanded over the
-    rows when every prefix key is valid and no window hides a key (the mask is then the same for every row).
-
-    Written in place, part by part and query rows by chunks, so no (rows, 1, C, L + C) temporary exists beside it.
-    """
-    capture = context.capture
-    rows = context.group_index
-    prefix_len, length = capture.key_valid.shape[1], context.positions.shape[1]
-    shared_by_rows = window_is_moot(window, prefix_len + length) and bool(capture.key_valid.all())
-    batch = 1 if shared_by_rows else rows.numel()
-    mask = empty_additive_mask((batch, 1, length, prefix_len + length), dtype, context.positions.device)
-    fill_own_causal(mask[..., prefix_len:], window)
-    if shared_by_rows:
-        return mask.expand(rows.numel(), -1, -1, -1)
-    prefix = mask[..., :prefix_len]
-    prefix.masked_fill_(~capture.key_valid[rows][:, None, None, :], float("-inf"))
-    if window is not None:
-        first = window_start(context.positions, capture.positions[rows], window)
-        block_outside(prefix, first, torch.full_like(first[:, :1], prefix_len - 1))
-    return mask
-
-
 def fill_own_causal(mask: torch.Tensor, window) -> None:
     """-inf into (batch, 1, C, C) ``mask`` where a token may not see another of its own run (a completion row, a
     prefix-tree node; positions advance by one along it): later tokens, and tokens ``window`` or more back."""
     index = torch.arange(mask.shape[-1], device=mask.device)[None]
     first = torch.zeros_like(index) if window is None else (index - window + 1).clamp(min=0)
     block_outside(mask, first, index)
-
-
-def window_start(query_positions, key_positions, window) -> torch.Tensor:
-    """(n, Q) int64: the index of the first key each query may see under a sliding ``window`` (transformers keeps
-    key k for query q when q - k < window), or zeros (1, Q) without a window. ``key_positions`` (n, K) must be
-    non-decreasing along each row (left padding repeats position 0), so the keys a window hides come first."""
-    if window is None:
-        return torch.zeros_like(query_positions[:1])
-    return torch.searchsorted(key_positions.contiguous(), (query_positions - window).contiguous(), right=True)
 
 
 #: Most elements of each boolean temporary a mask is filled with: query rows are filled in chunks of this size.

@@ -1,27 +1,22 @@
-"""The memory the expand backend's attention takes beyond the model's own activations, term by term.
+"""The memory the expand layout's attention takes beyond the model's own activations, term by term.
 
-With L = P - 1 prefix keys (Phase 1 forwards ``prompt[:, :-1]``), C completion tokens per row, h query heads,
-g KV heads, d head size (2d: key plus value head size where they differ, as under multi-head latent attention),
-s bytes per element of the model's dtype and ``pad16(n)`` = n rounded up to a multiple of 16:
+Per node of a node call with A ancestor tokens and L tokens of its own (a completion of C tokens under a prompt of P:
+A = P, L = C), h query heads, g KV heads, d head size (2d: key plus value head size where they differ, as under
+multi-head latent attention), s bytes per element of the model's dtype and ``pad16(n)`` = n rounded up to a multiple
+of 16 (one layer at a time; with gradients the mask is shared by all layers and each layer's saved tensors add up):
 
-Phase 1, per prompt (one layer at a time; with gradients the mask is shared by all layers and each layer's saved
-tensors add up):
-    mask                 L x pad16(L) x s          only for left-padded prompts or a window shorter than L; an
-                                                   unpadded prompt runs causal SDPA with no mask
-    repeated K/V         2 x h x L x d x s         only when the chosen kernel rejects grouped heads
-    explicit scores      h x L x L x (4 + 2s)      softcap/sinks models: scores, float32 softmax, probabilities
-Phase 2, per completion row:
-    mask                 C x pad16(L + C) x s      one (1, 1, C, .) mask for all rows when no prompt of the batch
-                                                   is padded and there is no window
-    gathered K/V         2 x g x (L + C) x d x s   each row's prompt keys/values next to its own
-    repeated K/V         2 x h x (L + C) x d x s   only when the chosen kernel rejects grouped heads
-    explicit scores      h x C x (L + C) x (4 + 2s)
+    mask                 L x pad16(A + L) x s      none for a call without ancestors and window (causal SDPA); one
+                                                   (1, 1, L, .) mask for all nodes of a call when they have as many
+                                                   ancestor tokens and there is no window
+    gathered K/V         2 x g x (A + L) x d x s   each node's ancestors' keys/values next to its own
+    repeated K/V         2 x h x (A + L) x d x s   only when the chosen kernel rejects grouped heads
+    explicit scores      h x L x (A + L) x (4 + 2s) softcap/sinks models: scores, float32 softmax, probabilities
 
-The Phase 2 mask is quadratic and G-fold: P = 16k, G = 64, C = 1k, bf16 is 2.1 GiB per prompt. The repeated K/V of
-one layer of Qwen2.5-7B (h = 28, g = 4, d = 128) at that shape is 15 GiB per prompt. No-grad scoring batches are
-sized by these terms (``token_budget``); explicit scores over :data:`EXPLICIT_SCORES_BUDGET` bytes are refused on
-the fused-kernel path (CUDA) with a message naming their size (``backend='flex'`` computes the same attention
-without a score matrix).
+The mask is quadratic and G-fold under padded prompts: P = 16k, G = 64, C = 1k, bf16 is 2.1 GiB per prompt. The
+repeated K/V of one layer of Qwen2.5-7B (h = 28, g = 4, d = 128) at that shape is 15 GiB per prompt. No-grad chunks
+of rows are sized by these terms (``engine/budget``); explicit scores over :data:`EXPLICIT_SCORES_BUDGET` bytes are
+refused on the fused-kernel path (CUDA) with a message naming their size (``backend='flex'`` computes the same
+attention without a score matrix).
 """
 
 from __future__ import annotations
@@ -102,34 +97,25 @@ def mask_bytes(queries: int, keys: int, itemsize: int) -> int:
 
 
 def kv_bytes(shape: AttentionShape, heads: int, keys: int) -> int:
-    """Bytes of the keys and values of ``heads`` heads over ``keys`` positions (one row, one layer)."""
+    """Bytes of the keys and values of ``heads`` heads over ``keys`` positions (one node, one layer)."""
     return heads * keys * (shape.head_dim + shape.v_head_dim) * shape.itemsize
 
 
-def prompt_bytes(shape: AttentionShape, prefix_len: int, *, masked: bool, repeats_kv: bool) -> int:
-    """Bytes one prompt adds to a Phase 1 layer beyond its hidden states (see the module docstring)."""
-    total = mask_bytes(prefix_len, prefix_len, shape.itemsize) if masked else 0
-    if repeats_kv:
-        total += kv_bytes(shape, shape.heads, prefix_len)
-    if shape.explicit_scores:
-        total += scores_bytes(shape.heads, prefix_len, prefix_len, shape.itemsize)
-    return total
-
-
-def row_bytes(shape: AttentionShape, prefix_len: int, completion_len: int, *, masked: bool, repeats_kv: bool) -> int:
-    """Bytes one completion row adds to a Phase 2 layer beyond its hidden states (see the module docstring)."""
-    keys = prefix_len + completion_len
-    total = mask_bytes(completion_len, keys, shape.itemsize) if masked else 0
+def node_bytes(shape: AttentionShape, ancestors: int, length: int, *, masked: bool, repeats_kv: bool) -> int:
+    """Bytes one node of ``length`` tokens under ``ancestors`` ancestor tokens adds to a layer of its node call beyond
+    its hidden states (see the module docstring)."""
+    keys = ancestors + length
+    total = mask_bytes(length, keys, shape.itemsize) if masked else 0
     total += kv_bytes(shape, shape.kv_heads, keys)
     if repeats_kv:
         total += kv_bytes(shape, shape.heads, keys)
     if shape.explicit_scores:
-        total += scores_bytes(shape.heads, completion_len, keys, shape.itemsize)
+        total += scores_bytes(shape.heads, length, keys, shape.itemsize)
     return total
 
 
 def scores_bytes(heads: int, queries: int, keys: int, itemsize: int) -> int:
-    """Bytes of one row's explicit attention: scores and probabilities in the model's dtype, float32 softmax."""
+    """Bytes of one node's explicit attention: scores and probabilities in the model's dtype, float32 softmax."""
     return heads * queries * keys * (4 + 2 * itemsize)
 
 

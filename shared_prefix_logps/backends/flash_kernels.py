@@ -1,12 +1,12 @@
 """Which varlen attention kernels the ``flash`` backend calls, behind one interface.
 
 :class:`VarlenKernels` is the interface: ``forward`` returns the output and the (heads, total_q) float32 log-sum-exp,
-``backward`` takes the output and log-sum-exp and returns (dq, dk, dv); see :mod:`.flash_reference` for the
-conventions (bottom-right causal alignment, left windows, softcap, empty rows). Three implementations:
+``backward`` takes the output and log-sum-exp and returns (dq, dk, dv), with flash-attn's conventions (bottom-right
+causal alignment, left windows, softcap, empty rows; a pure-torch reference of them, which the CPU tests substitute
+(:func:`substituted`), is ``tests/support/flash_reference.py``). Two implementations:
 
 - flash-attn 2.x (package ``flash_attn``, ``flash_attn.flash_attn_interface``);
-- FA3 (package ``flash_attn_interface``, the Hopper build), preferred where installed;
-- the pure-torch reference (:mod:`.flash_reference`), only when substituted (:func:`substituted`, the CPU tests).
+- FA3 (package ``flash_attn_interface``, the Hopper build), preferred where installed.
 
 flash-attn's private ``_flash_attn_varlen_forward/_backward`` are called by keyword, so their positional orders (which
 changed across 2.x releases and differ in FA3) do not matter; parameters this backend does not use get their
@@ -25,8 +25,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from . import flash_reference
 
 #: Largest (padded) head dimension flash-attn 2.x and FA3 take.
 MAX_HEAD_DIM = 256
@@ -68,18 +66,14 @@ class VarlenKernels:
         return None
 
 
-REFERENCE = VarlenKernels(
-    "the pure-torch reference", flash_reference.varlen_forward, flash_reference.varlen_backward, None, None
-)
-
 #: Kernels that replace flash-attn on every device while set (:func:`substituted`).
 _SUBSTITUTE: list[VarlenKernels] = []
 
 
 @contextlib.contextmanager
-def substituted(kernels: VarlenKernels = REFERENCE):
-    """Run the ``flash`` backend on ``kernels`` (default: the pure-torch reference) on any device, installed
-    flash-attn or not: how the CPU tests run it."""
+def substituted(kernels: VarlenKernels):
+    """Run the ``flash`` layout on ``kernels`` on any device, installed flash-attn or not: how the CPU tests run it (on
+    the pure-torch reference of the varlen kernels, ``tests/support/flash_reference.py``)."""
     _SUBSTITUTE.append(kernels)
     try:
         yield kernels

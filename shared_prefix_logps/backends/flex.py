@@ -1,15 +1,16 @@
-"""The ``flex`` backend: packed layouts and one ``flex_attention`` call per layer.
+"""The ``flex`` layout of a node call: no copies, one ``flex_attention`` call per layer.
 
-No padding token is processed and no prefix is copied per completion row. Phase 1 forwards the real prefix tokens
-of all prompts as one packed row; Phase 2 forwards the valid query tokens of all completions as one packed row.
-Each Phase 2 layer attends over ``[packed prefixes ; packed completions]`` under a BlockMask built from the batch's
-structure (prompts' prefix segments, completion rows, positions, the sliding window; see :mod:`.flex_blocks`) in
-work proportional to the blocks visited, never by evaluating the mask at every (query, key) pair; the mask function
-runs inside the kernel on the partial blocks only.
+No padding token is processed and no ancestor is copied per node. The call's packed tokens attend over ``[every token
+of the ancestor store ; the call's own tokens]`` under a BlockMask built from the trie's structure in work
+proportional to the blocks visited (:mod:`.flex_blocks`), never by evaluating the mask at every (query, key) pair:
+one key segment per node run of the store and of the call, a link from each of the call's nodes to each of its
+ancestors in the store and a causal link to itself. With nodes numbered depth-first, key node k is an ancestor of (or
+is) query node q exactly when ``k <= q < subtree_end[k]``; the mask function, which runs inside the kernel on the
+partial blocks only, tests that, causality within a node and sliding windows by positions.
 
 Lengths are rounded up to a multiple of :data:`LENGTH_BUCKET` inside the attention call (the padded queries see
 nothing and are dropped). On CUDA flex_attention is compiled once per model configuration and grad mode, with
-dynamic lengths: new shapes, either phase and sliding windows (None or int) reuse the graph. Should torch's recompile
+dynamic lengths: new shapes, every depth and sliding windows (None or int) reuse the graph. Should torch's recompile
 limit be hit anyway, :class:`FlexRecompileError` is raised instead of torch's silent fallback to uncompiled
 flex_attention (which materializes every score). Head dimensions below the kernel's minimum (16 on CUDA) are
 zero-padded, which changes no result. flex_attention's backward exists on CUDA only; on CPU this backend is
@@ -32,8 +33,8 @@ import types
 import torch
 import torch.nn.functional as F
 
-from ..forward.context import CaptureContext, SharedContext, cached
-from .flex_blocks import BLOCK_SIZE, Links, Segments, concat_segments, segments_of, structured_block_mask
+from .expand import cached
+from .flex_blocks import BLOCK_SIZE, Links, Segments, concat_segments, run_segments, structured_block_mask
 
 #: Packed lengths are padded up to a multiple of this inside the attention call: the block size of the masks.
 LENGTH_BUCKET = BLOCK_SIZE
@@ -218,55 +219,9 @@ def padded_length(n: int, device: torch.device) -> int:
     return _round_up(n, device)
 
 
-def _pad_ids(ids: torch.Tensor, length: int, fill: int) -> torch.Tensor:
-    return F.pad(ids, (0, length - ids.shape[0]), value=fill)
-
-
 def _pad_seq(x: torch.Tensor, length: int) -> torch.Tensor:
     # (1, heads, n, d) -> (1, heads, length, d)
     return F.pad(x, (0, 0, 0, length - x.shape[2]))
-
-
-def _mask_mod(q_groups, q_rows, q_pos, q_order, k_groups, k_rows, k_pos, k_order, window):
-    """The mask function of queries (q_*, each (q_len,) int64) over keys (k_*, each (kv_len,) int64): same group;
-    prefix keys (row -1) always, own-row keys causally (``k_order <= q_order``); and within the sliding window by
-    positions. It runs inside the kernel on the partial blocks of the structure-built mask only.
-
-    The eight tensors must be distinct objects (a compiled function guards on which inputs alias each other), and
-    ``window`` (an int or None) travels as a tensor, so that every phase and layer of a model shares one graph.
-    """
-    q_groups, q_rows, q_pos, q_order, k_groups, k_rows, k_pos, k_order = _distinct(
-        q_groups, q_rows, q_pos, q_order, k_groups, k_rows, k_pos, k_order
-    )
-    window = torch.tensor(NO_WINDOW if window is None else int(window), device=q_groups.device)
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        same_group = q_groups[q_idx] == k_groups[kv_idx]
-        key_row = k_rows[kv_idx]
-        visible = (key_row < 0) | ((key_row == q_rows[q_idx]) & (k_order[kv_idx] <= q_order[q_idx]))
-        return same_group & visible & ((q_pos[q_idx] - k_pos[kv_idx]) < window)
-
-    return mask_mod
-
-
-def _needs_q_blocks(context) -> bool:
-    """Whether the phase's mask needs the transposed indices of flex's backward."""
-    return bool(context.needs_grad or torch.is_grad_enabled())
-
-
-def _count(ids: torch.Tensor) -> int:
-    """Number of segments numbered by ``ids`` (0 when there are none)."""
-    return int(ids.max()) + 1 if ids.numel() else 0
-
-
-def _distinct(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``tensors`` with every repeated object replaced by a copy (Phase 1's queries and keys are the same tokens)."""
-    seen = set()
-    out = []
-    for tensor in tensors:
-        out.append(tensor.clone() if id(tensor) in seen else tensor)
-        seen.add(id(tensor))
-    return tuple(out)
 
 
 def _score_mod(softcap):
@@ -280,128 +235,30 @@ def _score_mod(softcap):
     return soft_cap
 
 
-def packed_capture_attention(query, key, value, context: CaptureContext, window, options) -> torch.Tensor:
-    """Phase 1, packed: causal attention within each prompt's segment. Returns (1, n, heads, head_dim)."""
-    n = query.shape[2]
-    length = _round_up(n, query.device)
+def node_attention(query, key, value, call, ancestors, cache: dict, window, options, needs_grad: bool) -> torch.Tensor:
+    """(1, T, heads, v_head_dim) for a node call's packed (1, heads, T, head_dim) queries and (1, kv_heads, T,
+    head_dim) keys, attending over ``[every token of the ancestor store ; the call's own tokens]`` in one
+    flex_attention call under a BlockMask built from the trie's structure (:func:`node_block_mask`).
 
-    def build():
-        q_blocks = _needs_q_blocks(context)  # read before no_grad below
-        with torch.no_grad():
-            return _capture_block_mask(context, n, length, window, query.device, q_blocks=q_blocks)
-
-    mask = cached(context, ("flex-prefix", window), build)
-    return _attend(query, key, value, mask, length, n, options)
-
-
-def packed_shared_attention(module, query, key, value, context: SharedContext, window, options) -> torch.Tensor:
-    """Phase 2, packed: completion queries over [their group's packed prefix ; their own row causally]."""
-    n = query.shape[2]
-    capture = context.capture
-    if capture is not None:
-        prefix_key, prefix_value = capture.kv_of(module)
-        key = torch.cat([prefix_key, key], dim=2)
-        value = torch.cat([prefix_value, value], dim=2)
-    num_prefix = key.shape[2] - n
-    q_len, kv_len = _round_up(n, query.device), _round_up(key.shape[2], query.device)
-
-    def build():
-        q_blocks = _needs_q_blocks(context)  # read before no_grad below
-        with torch.no_grad():
-            return _shared_block_mask(context, n, num_prefix, q_len, kv_len, window, query.device, q_blocks=q_blocks)
-
-    mask = cached(context, ("flex-shared", window), build)
-    return _attend(query, key, value, mask, q_len, n, options, kv_len=kv_len)
-
-
-def _capture_block_mask(context: CaptureContext, n, length, window, device, *, q_blocks: bool):
-    """Phase 1's BlockMask: each prompt's tokens see their own prompt's tokens causally."""
-    order = _pad_ids(torch.arange(n, device=device), length, length)
-    pos = _pad_ids(context.positions[0], length, 0)
-    q_groups = _pad_ids(context.segments, length, -2)  # padded queries match no key
-    k_groups = _pad_ids(context.segments, length, -1)
-    # Inside a segment the keys are the query's own row (its segment); order gives causality.
-    mask_mod = _mask_mod(q_groups, k_groups, pos, order, k_groups, k_groups, pos, order, window)
-    count = _count(context.segments)
-    prompts = segments_of(context.segments, context.positions[0], count)
-    every = torch.arange(count, device=device)
-    links = Links(query=every, key=every, causal=torch.ones(count, dtype=torch.bool, device=device))
-    return structured_block_mask(
-        prompts,
-        prompts,
-        links,
-        q_len=length,
-        kv_len=length,
-        window=window,
-        mask_mod=mask_mod,
-        q_blocks=q_blocks,
-    )
-
-
-def _shared_block_mask(context: SharedContext, n, num_prefix, q_len, kv_len, window, device, *, q_blocks: bool):
-    """Phase 2's BlockMask: row ``r``'s queries see its group's prefix segment whole and its own tokens causally."""
-    capture = context.capture
-    rows = context.query_rows
-    num_rows = context.group_index.numel()
-    groups = context.group_index[rows]
-    order = torch.arange(n, device=device)
-    pos = context.positions[0]
-    own = segments_of(rows, pos, num_rows, offset=num_prefix)  # the rows' tokens as keys, after the prefixes
-    queries = Segments(start=own.start - num_prefix, length=own.length, position=own.position)
-    every = torch.arange(num_rows, device=device)
-    causal = torch.ones(num_rows, dtype=torch.bool, device=device)
-    if capture is not None:
-        num_prompts = max(_count(capture.segments), _count(context.group_index))
-        prefixes = segments_of(capture.segments, capture.positions[0], num_prompts)
-        keys = concat_segments(prefixes, own)
-        links = Links(
-            query=torch.cat([every, every]),
-            key=torch.cat([context.group_index, every + num_prompts]),
-            causal=torch.cat([~causal, causal]),
-        )
-        k_groups = torch.cat([capture.segments, groups])
-        k_rows = torch.cat([torch.full((num_prefix,), -1, device=device, dtype=torch.long), rows])
-        k_pos = torch.cat([capture.positions[0], pos])
-        k_order = torch.cat([torch.zeros(num_prefix, device=device, dtype=torch.long), order])
-    else:
-        keys, links = own, Links(query=every, key=every, causal=causal)
-        k_groups, k_rows, k_pos, k_order = groups, rows, pos, order
-    mask_mod = _mask_mod(
-        _pad_ids(groups, q_len, -2),
-        _pad_ids(rows, q_len, -2),
-        _pad_ids(pos, q_len, 0),
-        _pad_ids(order, q_len, 0),
-        _pad_ids(k_groups, kv_len, -1),
-        _pad_ids(k_rows, kv_len, -3),
-        _pad_ids(k_pos, kv_len, 0),
-        _pad_ids(k_order, kv_len, kv_len),
-        window,
-    )
-    return structured_block_mask(
-        queries,
-        keys,
-        links,
-        q_len=q_len,
-        kv_len=kv_len,
-        window=window,
-        mask_mod=mask_mod,
-        q_blocks=q_blocks,
-    )
-
-
-def packed_attention(query, key, value, block_mask, q_len: int, n: int, options, kv_len: int) -> torch.Tensor:
-    """One flex_attention call of this backend for a packed layout built elsewhere (the prefix tree's).
-
-    Args:
-        query: (1, heads, n, head_dim) packed queries; key/value: (1, kv_heads, K, head_dim / v_head_dim).
-        block_mask: BlockMask over (``q_len``, ``kv_len``), the lengths from :func:`padded_length`.
-        options: the attention options (scaling, softcap, dropout, sinks).
-
-    Returns (1, n, heads, v_head_dim), with everything the backend's own phases get: dropout refused, head
-    dimensions below the kernel's minimum zero-padded, compiled per model configuration where the device compiles,
-    sinks applied.
+    ``ancestors``: each source call's (key, value), (kv_heads, tokens, head_dim), in ``call.sources`` order (the
+    store is their concatenation); ``cache``: the call's; ``needs_grad``: the caller expects gradients (the mask then
+    holds the indices flex's backward reads). Dropout is refused; head dimensions below the kernel's minimum are
+    zero-padded; sinks are applied from the log-sum-exp.
     """
-    return _attend(query, key, value, block_mask, q_len, n, options, kv_len=kv_len)
+    n = query.shape[2]
+    if ancestors:
+        key = torch.cat([*(k[None] for k, _ in ancestors), key], dim=2)
+        value = torch.cat([*(v[None] for _, v in ancestors), value], dim=2)
+    q_len = padded_length(n, query.device)
+    kv_len = padded_length(key.shape[2], query.device)
+
+    def build():
+        q_blocks = bool(needs_grad or torch.is_grad_enabled())  # read before no_grad below
+        with torch.no_grad():
+            return node_block_mask(call, window, q_len, kv_len, q_blocks=q_blocks)
+
+    mask = cached(cache, ("flex", window), build)
+    return _attend(query, key, value, mask, q_len, n, options, kv_len=kv_len)
 
 
 def _attend(query, key, value, block_mask, q_len, n, options, kv_len=None):
@@ -447,3 +304,70 @@ def _apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> t
     """
     factor = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))
     return (out.float() * factor[..., None]).to(out.dtype)
+
+
+def node_block_mask(call, window, q_len: int, kv_len: int, *, q_blocks: bool = True):
+    """BlockMask of a node call's queries (padded to ``q_len``) over [store ; own tokens] (padded to ``kv_len``),
+    built from the trie's structure in work proportional to its blocks; ``q_blocks``: also the indices backward
+    reads.
+
+    Padded queries (node -2) see no key; padded keys (node -1, subtree end -1) are seen by no query.
+    """
+    node_end = call.node_end
+    store_len = call.store_node.numel()
+    own, own_nodes = run_segments(call.query_node, call.positions[0])
+    store, store_nodes = run_segments(call.store_node, call.store_positions)
+    own_keys = Segments(start=own.start + store_len, length=own.length, position=own.position)
+    # Node-level pairs (call nodes x store runs): the store's runs that are ancestors of each of the call's nodes.
+    query_seg, key_seg = (
+        (store_nodes[None, :] <= own_nodes[:, None]) & (own_nodes[:, None] < node_end[store_nodes][None, :])
+    ).nonzero(as_tuple=True)
+    every = torch.arange(own_nodes.numel(), device=own_nodes.device)
+    links = Links(
+        query=torch.cat([query_seg, every]),
+        key=torch.cat([key_seg, every + store_nodes.numel()]),
+        causal=torch.cat([torch.zeros_like(query_seg, dtype=torch.bool), torch.ones_like(every, dtype=torch.bool)]),
+    )
+    keys = torch.cat([call.store_node, call.query_node])
+    mask_mod = _node_mask_mod(
+        _pad(call.query_node, q_len, -2),
+        _pad(call.query_order, q_len, 0),
+        _pad(call.positions[0], q_len, 0),
+        _pad(keys, kv_len, -1),
+        _pad(node_end[keys], kv_len, -1),
+        _pad(torch.cat([call.store_order, call.query_order]), kv_len, 0),
+        _pad(torch.cat([call.store_positions, call.positions[0]]), kv_len, 0),
+        window,
+    )
+    return structured_block_mask(
+        own,
+        concat_segments(store, own_keys),
+        links,
+        q_len=q_len,
+        kv_len=kv_len,
+        window=window,
+        mask_mod=mask_mod,
+        q_blocks=q_blocks,
+    )
+
+
+def _node_mask_mod(q_node, q_order, q_pos, k_node, k_end, k_order, k_pos, window):
+    """The mask function of queries (q_*, each (q_len,) int64) over keys (k_*, (kv_len,) int64): the key's node is
+    an ancestor of the query's or is it (then causally by ``order``), within the sliding window by positions.
+
+    The seven tensors are distinct objects (a compiled function guards on aliasing), and ``window`` travels as a
+    tensor so that windowed and unwindowed layers share one graph."""
+    limit = torch.tensor(NO_WINDOW if window is None else int(window), device=q_node.device)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        query_node, key_node = q_node[q_idx], k_node[kv_idx]
+        ancestor = (key_node <= query_node) & (query_node < k_end[kv_idx])
+        causal = (key_node != query_node) | (k_order[kv_idx] <= q_order[q_idx])
+        return ancestor & causal & ((q_pos[q_idx] - k_pos[kv_idx]) < limit)
+
+    return mask_mod
+
+
+def _pad(ids: torch.Tensor, length: int, fill: int) -> torch.Tensor:
+    """(length,) int64: ``ids`` followed by ``fill``; always a new tensor."""
+    return F.pad(ids.long(), (0, length - ids.shape[0]), value=fill).clone()

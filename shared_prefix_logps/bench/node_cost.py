@@ -17,9 +17,10 @@ import time
 
 import torch
 
+from ..engine.plan import rows_plan
+from ..engine.scoring import score_plan
+from ..inputs import check_tree_rows
 from ..model import prepare_model
-from ..tree.api import score_tree_rows
-from ..tree.inputs import check_tree_rows
 
 
 def fork_rows(m: int, *, prompt: int, leaf: int, leaves: int, vocab: int, seed: int = 0):
@@ -52,9 +53,8 @@ def _seconds(prepared, rows, thresholds: tuple[int, int], grad: bool, repeats: i
             prepared.causal_lm.zero_grad(set_to_none=True)
             start = time.perf_counter()
             with torch.set_grad_enabled(grad):
-                out = score_tree_rows(
-                    prepared, rows, temperature=1.0, return_entropy=False, token_budget=None, merge_below=merge_below
-                )
+                plan = rows_plan(rows, merge_below)
+                out = score_plan(prepared, plan, layout="expand", temperature=1.0, return_entropy=False)
                 if grad:
                     out.logps.sum().backward()
             best[i] = min(best[i], time.perf_counter() - start)

@@ -11,9 +11,8 @@
 
 from __future__ import annotations
 
-from ..tree.inputs import TreeRows
-from ..tree.plan import scored_pairs
-from ..tree.trie import build_trie
+from ..engine.plan import rows_plan
+from ..inputs import TreeRows
 from .flops import Flops, ModelShape, forward_flops, step_flops, visible_pairs
 from .tree_workloads import TreeWorkload
 
@@ -52,13 +51,14 @@ def method_flops(shape: ModelShape, workload: TreeWorkload, *, train: bool) -> d
         ],
         scored_tokens=sum(n - p for n, p in zip(lengths, split)),
     )
-    trie = build_trie(rows.justified(), rows.lengths)
+    plan = rows_plan(rows, merge_below=0)
+    trie = plan.trie
     nodes = list(zip(trie.node_start.tolist(), trie.node_length.tolist()))
     tree = forward_flops(
         shape,
         tokens=trie.num_tokens,
         attention_pairs=[sum(visible_pairs(start, n, w) for start, n in nodes) for w in shape.windows],
-        scored_tokens=scored_pairs(trie, rows).target.numel(),
+        scored_tokens=plan.pairs.target.numel(),
     )
     steps = {
         name: step_flops(f, train=train) for name, f in (("dense", dense), ("one_level", one_level), ("tree", tree))

@@ -5,7 +5,7 @@
   of at most ``dense_tokens`` tokens, each with its own backward when training (gradient accumulation).
 - ``one_level``: the one-level sharing of ``compute_logps`` (score) and ``chunked_backward`` (train): each distinct
   prompt part forwarded once, every completion in full, deeper sharing switched off
-  (:func:`~shared_prefix_logps.tree.grouped.one_level_sharing`). It scores every completion token (tool spans too);
+  (:func:`~shared_prefix_logps.engine.sharing.one_level_sharing`). It scores every completion token (tool spans too);
   the unscored ones are dropped afterwards.
 - ``tree``: ``compute_logps_tree`` (score) and ``chunked_backward_tree`` (train): every trie token forwarded once.
   The tiny-node rule is off here (``merge_tiny_nodes=False``), so that the tokens forwarded are the trie's, the
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import chunked_backward, chunked_backward_tree, compute_logps, compute_logps_tree
-from ..tree.grouped import one_level_sharing
+from ..engine.sharing import one_level_sharing
 from .tree_workloads import TreeWorkload
 
 #: Default most tokens of one dense micro-batch (rows of one length): whole rows, at least one.

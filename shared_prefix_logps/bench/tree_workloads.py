@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tree.trie import build_trie
+from ..engine.trie import build_trie
 
 
 @dataclass(frozen=True)

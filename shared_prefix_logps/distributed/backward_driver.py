@@ -1,8 +1,9 @@
 """How an entry point that runs several backward passes per call (``chunked_backward``, ``chunked_backward_tree``)
 runs them under each engine, and the checks every chunk's loss goes through.
 
-A call makes one backward per chunk (and, in ``chunked_backward``, one more through the prompt). Plain autograd
-accumulates them into ``.grad`` as one graph would; the engines need more: DDP averages once after the last backward
+A call makes one backward per chunk's loss (reaching the node calls' leaves) and one per node call (reaching the
+parameters, once nothing later needs the call). Plain autograd accumulates them into ``.grad`` as one graph would;
+the engines need more: DDP averages once after the last backward
 (:class:`DDPBackward`), FSDP1 re-arms its backward hooks before a backward through an earlier forward
 (:class:`FSDP1Backward`), DeepSpeed runs every backward through its engine (:class:`DeepSpeedBackward`).
 :func:`backward_driver` picks the driver of a call; :func:`backward_chunk_loss` is the per-chunk step.
@@ -18,15 +19,12 @@ from torch import nn
 from .ddp import average_gradients, find_ddp, reduced_parameters
 
 
-def backward_chunk_loss(
-    driver, loss, *, last: bool, chunk_rows: torch.Tensor, has_valid: bool, logps_need_grad: bool
-) -> bool:
+def backward_chunk_loss(driver, loss, *, chunk_rows: torch.Tensor, has_valid: bool, logps_need_grad: bool) -> bool:
     """Back-propagate one chunk's ``loss`` (what ``loss_fn`` returned) through ``driver``; False if it had none.
 
     Args:
         driver: the call's driver (:func:`backward_driver`).
         loss: must be a scalar tensor (else TypeError).
-        last: whether this is the call's last backward (DeepSpeed's accumulation boundary).
         chunk_rows: (k,) int64 the chunk's rows, named in the error.
         has_valid: whether the chunk has a valid (scored) token.
         logps_need_grad: whether the chunk's log-probs require grad (the error then blames ``loss_fn``).
@@ -37,7 +35,7 @@ def backward_chunk_loss(
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError("loss_fn must return a scalar tensor")
     if loss.requires_grad:
-        driver.loss(loss, last=last)
+        driver.loss(loss)
         return True
     if has_valid:
         raise loss_without_grad(chunk_rows, logps_need_grad)
@@ -56,17 +54,18 @@ def loss_without_grad(chunk_rows: torch.Tensor, logps_need_grad: bool) -> Runtim
     return RuntimeError(f"the loss of the chunk of rows [{shown}] has valid tokens but does not require grad: {cause}")
 
 
-def backward_driver(model: nn.Module, entry: str = "chunked_backward"):
+def backward_driver(model: nn.Module, entry: str = "chunked_backward", boundary_zero=None):
     """How this call runs its backward passes: plain autograd, re-armed for FSDP1, through a DeepSpeed engine, or
     locally then averaged once (a synchronizing call under DDP). ``entry`` is the calling entry point's name, for
-    the errors."""
+    the errors; ``boundary_zero()`` makes the zero whose backward carries a DeepSpeed step's boundary (a one-token
+    forward's)."""
     root = fsdp1_root(model)
     if root is not None:
         return FSDP1Backward(model, root.compute_device)
     deepspeed = sys.modules.get("deepspeed")
     engine_type = getattr(deepspeed, "DeepSpeedEngine", None) if deepspeed is not None else None
     if engine_type is not None and isinstance(model, engine_type):
-        return DeepSpeedBackward(model, entry)
+        return DeepSpeedBackward(model, entry, boundary_zero)
     if any(hasattr(param, "ds_id") or hasattr(param, "_hp_mapping") for param in model.parameters()):
         raise ValueError(
             "the model's parameters are managed by a DeepSpeed engine; pass the engine itself (what "
@@ -93,7 +92,7 @@ class PlainBackward:
     def begin(self) -> None:
         """Before the call's first forward."""
 
-    def loss(self, loss: torch.Tensor, *, last: bool) -> None:
+    def loss(self, loss: torch.Tensor) -> None:
         loss.backward()
 
     def tensors(self, tensors: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
@@ -112,15 +111,15 @@ class DDPBackward(PlainBackward):
     """Backward passes of one synchronizing call under DDP (not inside ``no_sync``).
 
     DDP's reducer expects one backward per forward: each grad-enabled forward outside ``no_sync`` arms it (and, with
-    ``find_unused_parameters``, marks the parameters that forward's output does not reach as ready), and the
-    backward that follows all-reduces the buckets as their gradients become ready and writes the averages into
-    ``.grad``. Phase 1, then a forward and a backward per chunk, then the backward through Phase 1's graph would
-    average partial gradients several times, each overwritten by the next (0.74-0.96 relative error seen), with
-    buckets left waiting. So the whole call runs as under ``no_sync()`` (forwards do not arm the reducer, backwards
-    accumulate locally) and, after the last backward, every parameter's accumulated ``.grad`` is averaged over the
-    process group once (:func:`~shared_prefix_logps.distributed.ddp.average_gradients`): what DDP's synchronizing
-    backward computes, gradients accumulated under earlier ``no_sync`` micro-batches included. As after DDP's own
-    synchronizing step, the next forward broadcasts the module's buffers.
+    ``find_unused_parameters``, marks the parameters that forward's output does not reach as ready), and the backward
+    that follows all-reduces the buckets as their gradients become ready and writes the averages into ``.grad``. A
+    chunked call's forwards and backwards (the prompts' node call, then a forward and a backward per chunk, then the
+    backward through the prompts' graph) would average partial gradients several times, each overwritten by the next
+    (0.74-0.96 relative error seen), with buckets left waiting. So the whole call runs as under ``no_sync()`` (forwards
+    do not arm the reducer, backwards accumulate locally) and, after the last backward, every parameter's accumulated
+    ``.grad`` is averaged over the process group once (:func:`~shared_prefix_logps.distributed.ddp.average_gradients`):
+    what DDP's synchronizing backward computes, gradients accumulated under earlier ``no_sync`` micro-batches included.
+    As after DDP's own synchronizing step, the next forward broadcasts the module's buffers.
     """
 
     def __init__(self, ddp: nn.parallel.DistributedDataParallel):
@@ -141,50 +140,53 @@ class DeepSpeedBackward:
     """Backward passes of one call under a DeepSpeed engine.
 
     ``loss.backward()`` alone would bypass the engine: ZeRO-2 reduces each backward's gradients at the accumulation
-    boundary and the next one overwrites them, and ZeRO-3 leaves gradients it cannot clear. So every backward goes
-    through ``engine.backward`` (loss divided by the gradient accumulation steps, reduction hooks armed), all but the
-    last as non-boundary micro-steps, whose gradients ZeRO accumulates as for gradient accumulation, and the last
-    at the boundary the engine is at (then ``engine.step()`` updates as after one ``engine.backward``). The prompt's
-    backward is the scalar ``sum(kv * kv_grad)``: same gradients as ``autograd.backward(kv, kv_grad)``, not scaled
-    again since the chunks' gradients already are.
+    boundary and the next one overwrites them, and ZeRO-3 leaves gradients it cannot clear. A chunked call makes two
+    kinds of backward: a chunk's loss, which reaches only the node calls' leaves (tensors cut from the graphs that
+    produced them, no parameter), and each node call's, which reaches the parameters. Only the latter go through
+    ``engine.backward`` (ZeRO gathers and reduces parameters and gradients in its hooks), as non-boundary micro-steps
+    that ZeRO accumulates, each as the scalar ``sum(output * grad)`` (the gradients of ``autograd.backward(outputs,
+    grads)``); the step's boundary is carried by one more backward at the end, of a one-token forward's zero
+    (``boundary_zero()``), which adds nothing, so that ``engine.step()`` then updates as after one
+    ``engine.backward``. The chunks' losses are divided by the engine's gradient accumulation steps before their plain
+    backward, so the leaves' gradients, and through them every node call's, are scaled once, as ``engine.backward``
+    scales a loss.
     """
 
-    def __init__(self, engine, entry: str = "chunked_backward"):
+    def __init__(self, engine, entry: str = "chunked_backward", boundary_zero=None):
         self.entry = entry
         if engine.fp16_enabled():
             raise NotImplementedError(
                 f"{entry} under a DeepSpeed engine with fp16 (dynamic loss scaling) is not supported; use bf16 or fp32"
             )
         self.engine = engine
+        self.boundary_zero = boundary_zero
+        self.accumulation = int(engine.gradient_accumulation_steps())
         # Unmanaged accumulation (DeepSpeed >= 0.19): backward only accumulates; step() reduces.
         self.managed = getattr(engine, "managed_gradient_accumulation", lambda: True)()
         self.override = getattr(engine, "_is_gradient_accumulation_boundary", None)
         self.boundary = engine.is_gradient_accumulation_boundary()
-        self.pending = False
 
     def begin(self) -> None:
         pass
 
-    def loss(self, loss: torch.Tensor, *, last: bool, scale: bool = True) -> None:
-        if self.managed:
-            self.engine.set_gradient_accumulation_boundary(self.boundary if last else False)
-        self.engine.backward(loss, scale_wrt_gas=scale)
-        self.pending = not last
+    def loss(self, loss: torch.Tensor) -> None:
+        (loss / self.accumulation).backward()  # reaches the node calls' leaves only
 
     def tensors(self, tensors: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:
-        # Also when no key/value received gradient: this backward carries the step's boundary.
         surrogate = sum((tensor * grad).sum() for tensor, grad in zip(tensors, grads) if grad is not None)
         if not isinstance(surrogate, torch.Tensor):
             surrogate = sum(tensor.sum() * 0.0 for tensor in tensors)
-        self.loss(surrogate, last=True, scale=False)
+        self._engine_backward(surrogate, boundary=False)
 
     def finish(self) -> None:
-        if self.pending:
-            raise RuntimeError(
-                f"under a DeepSpeed engine the last backward of {self.entry} must run at the accumulation "
-                "boundary, but the last chunk's loss does not require grad; the engine's gradients of this step "
-                "are incomplete"
-            )
+        with torch.enable_grad():
+            zero = self.boundary_zero()
+        self._engine_backward(zero, boundary=True)
+
+    def _engine_backward(self, loss: torch.Tensor, *, boundary: bool) -> None:
+        if self.managed:
+            self.engine.set_gradient_accumulation_boundary(self.boundary if boundary else False)
+        self.engine.backward(loss, scale_wrt_gas=False)  # already scaled (see the class)
 
     def close(self) -> None:
         if self.managed:
@@ -203,24 +205,23 @@ def fsdp1_root(model: nn.Module) -> nn.Module | None:
 class FSDP1Backward(PlainBackward):
     """Backward passes of one call under FSDP1 (``FullyShardedDataParallel``).
 
-    Each chunk is an ordinary forward and backward. The prompt's backward is not: its graph was built by Phase 1's
-    forward, before the chunks' forwards and backwards, and FSDP1 arms a unit's backward in the *latest* forward and
-    disarms it at the end of every backward (the root's final callback clears each unit's "unshard before backward"
-    flag and removes the reduce-scatter hook from its flat parameter's ``AccumulateGrad``). Run as is, the prompt's
-    backward meets sharded units: its pre-backward hooks fire but unshard nothing, and the layers' saved weights
-    (views of the freed unsharded flat parameters) are read from freed storage (a segfault on CPU/gloo), with no
-    reduce-scatter of the prompt's gradient.
+    A node call's backward runs after later forwards (its descendants', the chunks'), and FSDP1 arms a unit's
+    backward in the *latest* forward and disarms it at the end of every backward (the root's final callback clears each
+    unit's "unshard before backward" flag and removes the reduce-scatter hook from its flat parameter's
+    ``AccumulateGrad``). Run as is, such a backward meets sharded units: its pre-backward hooks fire but unshard
+    nothing, and the layers' saved weights (views of the freed unsharded flat parameters) are read from freed storage
+    (a segfault on CPU/gloo), with no reduce-scatter of the call's gradient.
 
-    So right before it, one grad-enabled one-token forward of the outer module re-arms every unit exactly as a forward
-    does (flags set, hooks registered on the same ``AccumulateGrad`` nodes the prompt's graph leads to); its output
-    is dropped and never backpropagated, so it adds nothing to any gradient. The prompt's backward is then an
+    So right before each, one grad-enabled one-token forward of the outer module re-arms every unit exactly as a
+    forward does (flags set, hooks registered on the same ``AccumulateGrad`` nodes the call's graph leads to); its
+    output is dropped and never backpropagated, so it adds nothing to any gradient. The call's backward is then an
     ordinary FSDP1 backward: each unit unshards in its pre-backward hook, reduce-scatters (or, under ``no_sync``,
     accumulates) and reshards after its gradient is complete. Every backward reduce-scatters its own gradient and
-    FSDP1 adds the shards, so the step's gradient is the sum over chunks and prompt, as without sharding.
+    FSDP1 adds the shards, so the step's gradient is the sum over the node calls, as without sharding.
     """
 
     def __init__(self, model: nn.Module, device: torch.device):
-        self.model = model  # the outermost module, whose forward the phases call
+        self.model = model  # the outermost module, whose forward the node calls go through
         self.device = device  # FSDP1's compute device
 
     def tensors(self, tensors: list[torch.Tensor], grads: list[torch.Tensor | None]) -> None:

@@ -3,22 +3,17 @@
 Under DDP, FSDP1/FSDP2 and DeepSpeed the processes' forwards and backwards run collectives that are matched by
 order: FSDP gathers each unit's parameters in every forward and reduce-scatters in every backward, ZeRO-3 gathers per
 submodule, and DDP broadcasts its buffers in the first forward after a grad-enabled synchronizing one (and in every
-forward after such a forward). How many model calls the shared path makes depends on the process's own rows: no-grad
-scoring splits its work by prompts and token budget and skips all-masked batches, Phase 1 is skipped when every
-prompt is one token, ``chunked_backward`` skips a chunk without a valid token and makes as many chunks as its G
-allows. A process that forwards once more than another pairs its collectives with the other's next ones: a hang, a
-"collective mismatch" error, or silently wrong numbers.
+forward after such a forward). How many model calls an entry point makes depends on the process's own rows: the
+trie's depth, the chunks a token budget cuts, the chunks of a chunked backward. A process that forwards once more
+than another pairs its collectives with the other's next ones: a hang, a "collective mismatch" error, or silently
+wrong numbers.
 
 So, when the model is wrapped by one of those engines and the process group has more than one process, each core
-entry point keeps the processes in step itself (:func:`call_lockstep`):
-
-- no-grad calls join (:meth:`Lockstep.forwards`): each process announces every forward with a one-integer
-  all-reduce; a process that is done makes a one-token no-grad forward for each forward another process announces;
-- grad-enabled calls agree up front (one all-reduce of a few integers) on the forwards and backwards they make, and a
-  process that has fewer makes placeholder ones of the same kind in their place: Phase 1 of a two-token placeholder
-  prompt (:func:`placeholder_prefix`), or (``chunked_backward``) a chunk of its own rows with every token masked;
-  their results join the backward with weight zero, so that every process's backward passes visit the same units,
-  and they add exactly zero to every gradient.
+entry point keeps the processes in step itself (:func:`call_lockstep`; how, in ``engine/lockstep.py``): no-grad calls
+join (:meth:`Lockstep.forwards`: each process announces every forward with a one-integer all-reduce; a process that
+is done makes a one-token no-grad forward for each forward another process announces), grad-enabled ones agree on
+their calls (all-reduces of an integer) and make placeholder calls in place of the ones they lack, whose results
+join the backward with weight zero.
 
 A caller that keeps the processes in step itself (the trainer plug-ins' joins) runs the core entry points under
 :func:`caller_keeps_step`, and a caller can opt out per call with ``lockstep=False``.
@@ -35,7 +30,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..phases import capture_prefix
 from .ddp import find_ddp
 
 _CALLER_KEEPS_STEP = contextvars.ContextVar("shared_prefix_logps_caller_keeps_step", default=False)
@@ -162,28 +156,6 @@ def call_lockstep(model: nn.Module, lockstep: bool | None, device: torch.device)
     if dist.get_world_size(group) == 1:
         return None
     return Lockstep(device, group)
-
-
-def placeholder_prefix(prepared, *, packed: bool, router_top_k: int | None = None) -> torch.Tensor | None:
-    """Phase 1 of a two-token placeholder prompt, in place of the Phase 1 another process makes where this process
-    has no prompt prefix: a 0-d float32 zero connected to what it hands on (every layer's key and value, router
-    probabilities when requested), or None when none of them carries gradient.
-
-    A backward through the zero visits the model as the other processes' backward through their Phase 1 does (it
-    enters through the model's output and reaches each unit's parameters as Phase 1's results do: a plain forward
-    would also reach the lm_head's weight, which Phase 1 does not use), adding exactly zero to every gradient.
-    """
-    ids = torch.zeros((1, 2), dtype=torch.long, device=prepared.device)
-    capture = capture_prefix(
-        prepared, ids, torch.ones_like(ids, dtype=torch.bool), packed=packed, router_top_k=router_top_k
-    )
-    results = [tensor for pair in capture.kv.values() for tensor in pair]
-    if capture.router is not None:
-        results.append(capture.router[1])
-    results = [tensor for tensor in results if tensor.requires_grad]
-    if not results:
-        return None
-    return torch.stack([tensor.float().sum() for tensor in results]).sum() * 0.0
 
 
 @contextlib.contextmanager

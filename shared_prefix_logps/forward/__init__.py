@@ -1,9 +1,9 @@
-"""What runs inside the model's forward during a phase (and only there):
+"""What runs inside the model's forward during a node call (and only there):
 
-- ``context``: the phase context that travels with the forward as a model kwarg (survives wrappers' copies);
+- ``context``: the node call's context that travels with the forward as a model kwarg (survives wrappers' copies);
 - ``attention``: the function registered with transformers' ``AttentionInterface``: the model's own attention
-  outside a phase, the phase's backend (``backends/``) inside one;
+  outside a node call, the call's layout (``backends/``) inside one;
+- ``head_proxy``, ``head_weights``: the lm_head's forward replaced by the fused head over the call's scored pairs,
+  with the weight and bias a (PEFT-wrapped) head multiplies by;
 - ``routing``: results computed inside a module leave through that module's output, for wrappers' sake.
-
-The lm_head proxy that runs the fused head inside the forward is ``model/head_proxy.py``.
 """

@@ -1,16 +1,15 @@
 """The attention function registered with transformers' ``AttentionInterface``.
 
 transformers calls it from every attention layer with post-RoPE ``query`` (batch, heads, q_len, head_dim) and
-``key``/``value`` (batch, kv_heads, k_len, head_dim). It dispatches on the phase context passed as a model kwarg:
+``key``/``value`` (batch, kv_heads, k_len, head_dim). It dispatches on the context passed as a model kwarg:
 
 - no context: the model's original implementation, untouched (generation and plain forwards);
-- :class:`CaptureContext`: Phase 1, causal attention over the left-padded prompts, recording keys/values;
-- :class:`SharedContext`: Phase 2, completion queries over [group prefix ; own tokens causally];
-- :class:`~shared_prefix_logps.tree.context.TreeContext`: a prefix-tree node call (``tree/attention.py``).
+- a :class:`~.context.NodeContext`: a node call's packed tokens attend over their ancestors' keys/values and causally
+  over their own node, computed by the call's layout (``backends/``): ``expand`` (SDPA over per-node gathered keys),
+  ``flex`` (one ``flex_attention`` call under a mask from the trie's structure) or ``flash`` (flash-attn's varlen
+  kernels, one part per ancestor level merged by log-sum-exp). Each layer's keys/values leave on its output.
 
-The attention itself is computed by the phase's backend (``backends/``): ``expand`` (SDPA over per-row gathered
-keys), ``flex`` (packed rows, one ``flex_attention`` call) or ``flash`` (packed rows, flash-attn's varlen kernels);
-the ``dense`` backend has no phases.
+The registry entries transformers looks these functions up under, and the mask builder beside them, are here too.
 """
 
 from __future__ import annotations
@@ -20,9 +19,7 @@ import sys
 import torch
 
 from ..backends import expand, flash, flex
-from ..tree.attention import tree_attention
-from ..tree.context import TreeContext
-from .context import CONTEXT_KWARG, CaptureContext, PhaseHandle, SharedContext
+from .context import CONTEXT_KWARG, ContextHandle, NodeContext, active_context
 from .routing import RouteBox, attach
 
 #: Prefix of the names under which the function is registered. transformers matches implementation names by substring
@@ -71,7 +68,7 @@ def intercepting(original):
     :func:`shared_prefix_attention`.
 
     Installed under the implementation's own name, so a model keeps its implementation, its name and its mask
-    handling for plain forwards and ``generate``, while the library's phases (and their activation-checkpoint
+    handling for plain forwards and ``generate``, while the library's node calls (and their activation-checkpoint
     recomputations in backward, which look the function up again) reach the shared-prefix attention.
     """
     if getattr(original, "_shared_prefix_original", None) is not None:
@@ -101,18 +98,18 @@ def shared_prefix_attention(module, query, key, value, attention_mask, **kwargs)
     handle = kwargs.pop(CONTEXT_KWARG, None)
     if handle is None:
         return _original_attention(module)(module, query, key, value, attention_mask, **kwargs)
-    return _phase_attention(module, query, key, value, attention_mask, handle, kwargs)
+    return _node_attention(module, query, key, value, attention_mask, handle, kwargs)
 
 
 @torch.compiler.disable
-def _phase_attention(module, query, key, value, attention_mask, handle, kwargs):
-    """The attention of a phase forward, run eagerly even inside a ``torch.compile``d model or layer.
+def _node_attention(module, query, key, value, attention_mask, handle, kwargs):
+    """The attention of a node call's forward, run eagerly even inside a ``torch.compile``d model or layer.
 
-    It reads and fills the phase context (masks cached per phase, keys/values recorded per layer, routes whose
+    It reads and fills the call's context (masks cached per call, keys/values recorded per layer, routes whose
     backward reads gradients stored by another node), which a traced graph would freeze at its first call: dynamo
     breaks the graph here instead, so the model's projections, RoPE and MLP stay compiled around an exact attention.
     """
-    context = handle.context if isinstance(handle, PhaseHandle) else handle
+    context = handle.context if isinstance(handle, ContextHandle) else handle
     if context is None:
         return _original_attention(module)(module, query, key, value, attention_mask, **kwargs)
     for name in _UNSUPPORTED_KWARGS:
@@ -136,50 +133,28 @@ def _phase_attention(module, query, key, value, attention_mask, handle, kwargs):
         sinks=_sink_logits(module, kwargs.get("s_aux"), query),
     )
     window = _sliding_window(module, kwargs)
-    if isinstance(context, TreeContext):
-        return tree_attention(module, query, key, value, context, window, options), None
-    _check_single_call(module, context)
-    if isinstance(context, CaptureContext):
-        if context.packed == "flash":
-            output = flash.capture_attention(module, query, key, value, context, window, options)
-        elif context.packed:
-            output = flex.packed_capture_attention(query, key, value, context, window, options)
-        else:
-            output = expand.capture_attention(query, key, value, context, window, options)
-        if context.finished:
-            # An activation-checkpoint recomputation during backward: the first recording is the one Phase 2 built
-            # its graph on; the recomputed keys/values only refill that graph's saved tensors.
-            return output, None
-        box = context.routes[module] = RouteBox()
-        # The keys/values leave the layer on its output, so wrappers see their gradient arrive there; capture_prefix
-        # releases them into ``context.kv`` after the forward.
-        return attach(output, box, key, value), None
-    if isinstance(context, SharedContext):
-        if context.packed == "flash":
-            return flash.shared_attention(module, query, key, value, context, window, options), None
-        if context.packed:
-            return flex.packed_shared_attention(module, query, key, value, context, window, options), None
-        return expand.shared_attention(module, query, key, value, context, window, options), None
-    raise TypeError(f"{CONTEXT_KWARG} must be a CaptureContext or SharedContext, got {type(context).__name__}")
-
-
-def _check_single_call(module, context) -> None:
-    """Refuse an attention module that runs twice in one forward (a layer object repeated in the layer list).
-
-    Keys/values are recorded and looked up per module; a second pass of the same module would reuse the first
-    pass's prefix, and an activation-checkpoint recomputation could not tell which pass it repeats.
-    """
-    if context.finished:
-        return
-    seen = context.routes if isinstance(context, CaptureContext) else context.called
-    if module in seen:
+    if not context.finished and module in context.routes:
         raise ValueError(
             f"attention module {type(module).__name__} ran twice in one forward (the same layer object appears more "
             "than once in the model's layers); the shared-prefix path records keys/values per layer and cannot "
             "serve repeated layers"
         )
-    if isinstance(context, SharedContext):
-        context.called.add(module)
+    call, ancestors, cache = context.call, context.ancestor_states(module), context.masks
+    if context.layout == "flash":
+        output = flash.node_attention(
+            module, query, key, value, call, ancestors, cache, window, options, context.needs_grad
+        )
+    elif context.layout == "flex":
+        output = flex.node_attention(query, key, value, call, ancestors, cache, window, options, context.needs_grad)
+    else:
+        output = expand.node_attention(query, key, value, call, ancestors, cache, window, options)
+    if context.finished:
+        # An activation-checkpoint recomputation in backward: the recorded keys/values are already in the graph.
+        return output, None
+    box = context.routes[module] = RouteBox()
+    # The keys/values leave the layer on its output, so wrappers see their gradient arrive there; the node call
+    # releases them into ``context.states`` after the forward.
+    return attach(output, box, key[0], value[0]), None
 
 
 def _sink_logits(module, s_aux, query):
@@ -206,3 +181,39 @@ def _sliding_window(module, kwargs):
     if "sliding_window" in kwargs:
         return kwargs["sliding_window"]
     return getattr(module, "sliding_window", None)
+
+
+def register_eager_name() -> None:
+    """Register the name an eager model's config is switched to (the only name the installation writes into a
+    config). A prepared model loaded in another process (``torch.load``, multiprocessing, Ray) carries that name in
+    its config, and transformers looks it up in the registry on every forward, plain ones included."""
+    register(implementation_name("eager"))
+
+
+def register(name: str) -> None:
+    """Register :func:`shared_prefix_attention` and its mask builder under ``name``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, shared_prefix_attention)
+    AttentionMaskInterface.register(name, _shared_prefix_mask)
+
+
+def in_node_call() -> bool:
+    """Whether a node call's forward is running (not a plain forward, nor the head check's forward)."""
+    return isinstance(active_context(), NodeContext)
+
+
+def _shared_prefix_mask(*args, config=None, **kwargs):
+    """Mask builder registered beside the attention function.
+
+    Inside a node call the attention function builds its own masks from the context, so transformers builds none
+    (no rows x keys tensor); outside one the original implementation's mask builder runs.
+    """
+    if in_node_call():
+        return None
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    name = original_implementation_name(config) if config is not None else "sdpa"
+    builder = ALL_MASK_ATTENTION_FUNCTIONS[name if name in ("sdpa", "eager") else "sdpa"]
+    return builder(*args, config=config, **kwargs)

@@ -1,6 +1,6 @@
-"""State that travels with one phase of a shared-prefix forward.
+"""State that travels with one node call's forward.
 
-The attention function receives the phase context as a model kwarg (``shared_prefix_context``), so it is bound into
+The attention function receives the context as a model kwarg (``shared_prefix_context``), so it is bound into
 activation-checkpointing closures and is still there when backward recomputes a layer. The lm_head proxy and the
 mask function are not handed model kwargs; they read the context of the forward that is running from a
 ``ContextVar`` set around the model call.
@@ -15,12 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-#: Name of the model kwarg that carries a phase context to the attention function.
+#: Name of the model kwarg that carries a node call's context to the attention function.
 CONTEXT_KWARG = "shared_prefix_context"
 
-_ACTIVE: ContextVar[CaptureContext | SharedContext | HeadCheckContext | None] = ContextVar(
-    "shared_prefix_logps_active", default=None
-)
+_ACTIVE: ContextVar[NodeContext | HeadCheckContext | None] = ContextVar("shared_prefix_logps_active", default=None)
 
 # Whether any thread is inside :func:`activated`, read before the ContextVar. Dynamo cannot trace a ContextVar lookup
 # (it breaks the graph at every lm_head and mask builder of a compiled model), but it guards on a module global: a
@@ -31,99 +29,58 @@ _count_lock = threading.Lock()
 
 
 @dataclass(eq=False)
-class CaptureContext:
-    """Phase 1: prompts are forwarded once and each layer's post-RoPE keys/values are recorded.
-
-    Two layouts. ``padded`` (the ``expand`` backend): one row per prompt, left-padded. ``packed`` (the ``flex``
-    backend): a single row holding the real prefix tokens of every prompt back to back, no padding.
+class NodeContext:
+    """One forward over a set of trie nodes (a :class:`~shared_prefix_logps.engine.node_calls.NodeCall`).
 
     Attributes:
-        key_valid: (num_prompts, prefix_len) bool, False on left padding ((1, total) all True when packed).
-        positions: (num_prompts, prefix_len) int64 position of each prefix token ((1, total) when packed).
-        needs_grad: whether the caller expects gradients through the captured keys/values.
-        packed: the layout: False (padded), or the packed backend ("flex" or "flash"; True means flex); when
-            packed, ``segments`` (total,) int64 gives each token's prompt index.
-        kv: attention module -> (key, value), each (rows, num_kv_heads, length, head_dim) in the layout above,
-            filled after the forward with the pairs released from the model's output (see ``routing``).
-        routes: attention module -> :class:`~.routing.RouteBox` of its raw (key, value), which
-            ride on the layer's attention output during the forward (one entry per layer that ran).
-        masks: attention masks built once per phase, keyed by their kind and sliding window.
-        finished: set once the phase's forward has returned; attention calls after that are activation-checkpoint
-            recomputations during backward.
-        router: when router statistics were requested, ``(counts, probs, tokens)`` of each prompt's prefix tokens,
-            (num_prompts, E), (num_prompts, E), (num_prompts,) float32 (see :mod:`~shared_prefix_logps.moe_router`).
-    """
-
-    key_valid: torch.Tensor
-    positions: torch.Tensor
-    needs_grad: bool
-    packed: bool | str = False
-    segments: torch.Tensor | None = None
-    kv: dict = field(default_factory=dict)
-    routes: dict = field(default_factory=dict)
-    masks: dict = field(default_factory=dict)
-    finished: bool = False
-    router: tuple | None = None
-
-    def kv_of(self, module) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (key, value) recorded for attention ``module``; a clear error if Phase 1 never reached it."""
-        try:
-            return self.kv[module]
-        except KeyError:
-            raise ValueError(
-                f"attention layer {type(module).__name__} was not seen while the prompts were forwarded; "
-                "this model's layers cannot share a prefix"
-            ) from None
-
-
-@dataclass(eq=False)
-class SharedContext:
-    """Phase 2: completion rows attend over their group's captured prefix and, causally, over themselves.
-
-    Padded layout (``expand``): one row per completion, (rows, C). Packed layout (``flex``): one row holding the
-    valid query tokens of every completion back to back, (1, num_valid).
-
-    Attributes:
-        capture: the Phase 1 context whose keys/values are the prefixes (None when every prefix is empty).
-        group_index: (rows,) int64 index of each row's prompt in the capture.
-        positions: (rows, completion_len) int64 position of each query token ((1, num_valid) when packed).
-        query_valid: (rows, completion_len) bool, True where a query token's output is used (packed: all True, or
-            the single False placeholder forwarded when no token is valid).
-        head_targets: (num_valid,) int64 next-token ids of the valid query tokens, in row-major order.
-        temperature: divides the logits before the log-softmax.
-        return_entropy: whether the head also computes the entropy of each valid token's distribution.
+        call: the node call, on the model's device.
+        sources: for each call in ``call.sources``, its prefix states: attention module -> (key, value), each
+            (kv_heads, tokens of that call, head_dim). A layer's *prefix state* is what its descendants need of the
+            nodes a call forwarded; for attention layers their post-RoPE keys and values.
+        layout: how the call attends: ``expand``, ``flex`` or ``flash``.
         needs_grad: whether the caller expects gradients.
-        head_spec: the model's :class:`~shared_prefix_logps.model.HeadSpec` (scale, softcap, lm_head).
-        packed: the layout, as for :class:`CaptureContext`; when packed, ``query_rows`` (num_valid,) int64 gives each
-            query token's row.
-        logps / entropy: (num_valid,) float32: written by the lm_head proxy (riding on its output, ``route``), then
-            replaced by the ones released from the model's output.
-        route: :class:`~shared_prefix_logps.forward.routing.RouteBox` of the head's results.
-        masks: attention masks built once per phase, keyed by their kind and sliding window.
-        finished: as for :class:`CaptureContext`.
-        called: attention modules the phase's forward has run (each may run once).
-        router: when router statistics were requested, ``(counts, probs, tokens)`` of each row's Phase 2 tokens (its
-            last prompt token and every real completion token), (rows, E), (rows, E), (rows,) float32.
+        head_spec: the model's :class:`~shared_prefix_logps.model.HeadSpec`.
+        temperature, return_entropy: as for the entry points.
+        weight_grads: the entry point's :class:`~shared_prefix_logps.engine.weight_grads.WeightGrads` (head and
+            embedding weight gradients added into one buffer across its backward passes), or None.
+        keep_logits_bytes: the fused head keeps its logits for backward when they take at most this many bytes (0:
+            it recomputes them; see ``kernels/fused_head.py``).
+        routes: attention module -> RouteBox of its prefix state of this call's tokens, riding on its output.
+        states: filled after the forward: attention module -> (key, value), (kv_heads, T, head_dim).
+        route: RouteBox of the head's results; logps / entropy: (p,) float32 after the forward, one per head pair.
+        masks: what the layouts build once per call (masks, kernel choices), keyed by kind and sliding window.
+        finished: set once the forward has returned (later attention calls are checkpoint recomputations).
+        router: when router statistics were requested, ``(counts, probs, tokens)`` of each of the call's nodes,
+            (S, E), (S, E), (S,) float32 (see :mod:`~shared_prefix_logps.moe_router`).
     """
 
-    capture: CaptureContext | None
-    group_index: torch.Tensor
-    positions: torch.Tensor
-    query_valid: torch.Tensor
-    head_targets: torch.Tensor
-    temperature: float
-    return_entropy: bool
+    call: object
+    sources: list
+    layout: str
     needs_grad: bool
     head_spec: object
-    packed: bool | str = False
-    query_rows: torch.Tensor | None = None
+    temperature: float
+    return_entropy: bool
+    weight_grads: object = None
+    keep_logits_bytes: int = 0
+    routes: dict = field(default_factory=dict)
+    states: dict = field(default_factory=dict)
+    route: object = None
     logps: torch.Tensor | None = None
     entropy: torch.Tensor | None = None
-    route: object = None
     masks: dict = field(default_factory=dict)
     finished: bool = False
-    called: set = field(default_factory=set)
     router: tuple | None = None
+
+    def ancestor_states(self, module) -> list[tuple[torch.Tensor, ...]]:
+        """``module``'s prefix state of every source call, in the order of ``call.sources``."""
+        try:
+            return [source[module] for source in self.sources]
+        except KeyError:
+            raise ValueError(
+                f"attention layer {type(module).__name__} was not seen while the ancestor nodes were forwarded; "
+                "this model's layers cannot share a prefix"
+            ) from None
 
 
 @dataclass(eq=False)
@@ -142,13 +99,13 @@ class HeadCheckContext:
     calls: int = 0
 
 
-class PhaseHandle:
-    """What travels as the ``shared_prefix_context`` model kwarg: an opaque holder of the phase context.
+class ContextHandle:
+    """What travels as the ``shared_prefix_context`` model kwarg: an opaque holder of the node call's context.
 
     Wrappers traverse forward kwargs and rebuild what they recognise: FSDP2's input casting rebuilds dataclasses
-    (``dataclasses.replace``), so a context passed directly would arrive as a copy and the keys/values recorded
-    into it would be lost. A plain object with no tensors and no dataclass fields passes through unchanged; copying
-    it (``copy``/``deepcopy``) keeps the same context.
+    (``dataclasses.replace``), so a context passed directly would arrive as a copy and the states recorded into it
+    would be lost. A plain object with no tensors and no dataclass fields passes through unchanged; copying it
+    (``copy``/``deepcopy``) keeps the same context.
     """
 
     __slots__ = ("context",)
@@ -163,16 +120,8 @@ class PhaseHandle:
         return self
 
 
-def cached(context: CaptureContext | SharedContext, key, build):
-    """``context.masks[key]``, built by ``build()`` on first use: masks depend on the layer only through its
-    sliding window, so each is built once per phase."""
-    if key not in context.masks:
-        context.masks[key] = build()
-    return context.masks[key]
-
-
-def active_context() -> CaptureContext | SharedContext | HeadCheckContext | None:
-    """The phase context of the model call that is running, or None outside the library's calls."""
+def active_context() -> NodeContext | HeadCheckContext | None:
+    """The context of the model call that is running, or None outside the library's calls."""
     if not _ANY_ACTIVE:
         return None
     return _ACTIVE.get()
@@ -186,7 +135,7 @@ def _count_active(step: int) -> None:
 
 
 @contextlib.contextmanager
-def activated(context: CaptureContext | SharedContext | HeadCheckContext):
+def activated(context: NodeContext | HeadCheckContext):
     """Make ``context`` the active one for the duration of a model call."""
     token = _ACTIVE.set(context)
     _count_active(1)

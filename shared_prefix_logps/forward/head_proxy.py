@@ -1,15 +1,14 @@
 """The lm_head proxy: installed as the head's ``forward`` on the instance, it runs inside the model's forward and
-computes the fused log-probs during Phase 2 (no logits), nothing during Phase 1, the module's own logits otherwise.
-Module hooks of FSDP/ZeRO fire around it as around the original forward."""
+computes the fused log-probs of a node call's scored pairs (no logits) inside a node call, the module's own logits
+otherwise. Module hooks of FSDP/ZeRO fire around it as around the original forward."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..model.head_weights import effective_head
-from ..tree.context import TreeContext
-from .context import CaptureContext, HeadCheckContext, SharedContext, active_context
+from .context import HeadCheckContext, active_context
+from .head_weights import effective_head
 from .routing import RouteBox, attach
 
 #: Rows of completion tokens per chunk of the fused head; None lets the head size chunks from its memory budget.
@@ -32,8 +31,7 @@ _PROXY_ATTRIBUTE = "_shared_prefix_head_proxy"
 
 
 class HeadProxy:
-    """The lm_head's ``forward`` on the instance: fused log-probs in Phase 2, nothing in Phase 1, the module's own
-    forward otherwise.
+    """The lm_head's ``forward`` on the instance: fused log-probs in a node call, the module's own forward otherwise.
 
     An object rather than a bound method so that the model stays picklable (``torch.save``, multiprocessing and Ray
     arguments): pickle stores a bound method as "look the name up on the instance", which the loaded module does
@@ -62,26 +60,26 @@ class HeadProxy:
         # Unpickled: the model it belongs to was prepared, perhaps in another process, and its config may name the
         # shared-prefix attention, which this process's registry must then hold before the model's next forward.
         self.__dict__.update(state)
-        from ..model.installation import register_eager_name
+        from .attention import register_eager_name
 
         register_eager_name()
 
 
 def _lm_head_proxy_forward(proxy: HeadProxy, hidden_states, *args, **kwargs):
-    """lm_head forward inside the model's forward: full logits normally, fused log-probs inside Phase 2.
+    """lm_head forward inside the model's forward: full logits normally, fused log-probs inside a node call.
 
-    A module that is not the head of the running phase or check (a head PEFT wrapped after first use keeps its proxy
-    inside the wrapper, which calls it) runs its own forward: only the head the phase was prepared with computes."""
+    A module that is not the head of the running call or check (a head PEFT wrapped after first use keeps its proxy
+    inside the wrapper, which calls it) runs its own forward: only the head the call was prepared with computes."""
     context = active_context()
     if context is None:
         return proxy.original_forward(hidden_states, *args, **kwargs)
-    return _phase_head_forward(proxy, context, hidden_states, *args, **kwargs)
+    return _node_head_forward(proxy, context, hidden_states, *args, **kwargs)
 
 
 @torch.compiler.disable
-def _phase_head_forward(proxy: HeadProxy, context, hidden_states, *args, **kwargs):
+def _node_head_forward(proxy: HeadProxy, context, hidden_states, *args, **kwargs):
     """The lm_head inside the library's own forwards, run eagerly even inside a ``torch.compile``d model: it writes
-    into the phase context and attaches routes whose backward reads gradients stored by another node, which a traced
+    into the call's context and attaches routes whose backward reads gradients stored by another node, which a traced
     graph would freeze at its first call (the chunked fused head gains nothing from tracing either)."""
     self = proxy.module
     if isinstance(context, HeadCheckContext):
@@ -91,35 +89,31 @@ def _phase_head_forward(proxy: HeadProxy, context, hidden_states, *args, **kwarg
             with torch.no_grad():
                 context.fused_logits = fused_logits(self, context.spec, hidden_states)
         return logits
-    if isinstance(context, SharedContext) and context.head_spec.lm_head is not self:
+    if context.head_spec.lm_head is not self:
         return proxy.original_forward(hidden_states, *args, **kwargs)
-    # Neither phase returns logits: the model gets a tensor of the right rank with an empty vocabulary axis, for any
-    # post-processing it applies. It is a view of the hidden states, so gradient reaching the model's output flows
-    # on into the model (wrappers' backward hooks fire on the way), and DDP's unused-parameter search walks it.
-    if isinstance(context, CaptureContext):
-        return hidden_states[..., :0]
-    if isinstance(context, TreeContext):
-        # Packed node tokens: a hidden state may predict several targets (a node's last token, one per child).
-        hidden = hidden_states.flatten(0, -2)[context.head_index]
-    elif isinstance(context, SharedContext):
-        hidden = hidden_states[context.query_valid]
-    else:
-        raise TypeError(f"unexpected phase context {type(context).__name__}")
+    # A node call returns no logits: the model gets a tensor of the right rank with an empty vocabulary axis, for
+    # any post-processing it applies. It is a view of the hidden states, so gradient reaching the model's output
+    # flows on into the model (wrappers' backward hooks fire on the way), and DDP's unused-parameter search walks it.
+    # Packed node tokens: a hidden state may predict several targets (a node's last token, one per child).
+    hidden = hidden_states.flatten(0, -2)[context.call.head_index]
     from ..kernels.fused_head import linear_logps
 
     spec = context.head_spec
     if spec.scale != 1.0:
         hidden = hidden * spec.scale
     weight, bias = effective_head(self)
+    grads = context.weight_grads
     results = linear_logps(
         hidden,
         weight,
-        context.head_targets,
+        context.call.head_targets,
         bias=bias,
         temperature=context.temperature,
         softcap=spec.softcap,
         return_entropy=context.return_entropy,
         chunk_size=HEAD_CHUNK_ROWS,
+        keep_logits_bytes=context.keep_logits_bytes,
+        weight_grad=None if grads is None or not torch.is_grad_enabled() else grads.buffer(weight),
     )
     results = results if context.return_entropy else (results,)
     context.route = RouteBox()

@@ -1,7 +1,7 @@
 """Route results that are computed inside a module out through that module's output, for wrappers' sake.
 
-The phases compute results deep inside the model (each layer's prompt keys/values in Phase 1; the fused head's
-log-probs in Phase 2) that the model's forward does not return. Handing them to the loss directly would make their
+A node call computes results deep inside the model (each layer's keys/values of its tokens; the fused head's
+log-probs) that the model's forward does not return. Handing them to the loss directly would make their
 gradient bypass the module outputs, and wrappers act on module outputs: FSDP2 unshards a unit for backward when its
 output receives gradient, DDP looks for unused parameters from the outputs, ZeRO-3 gathers on module hooks. Used
 directly, the results reach the loss while their units stay sharded, and backward reads freed parameter storage.

@@ -2,7 +2,10 @@
 
 ``linear_logps`` is what the model's lm_head proxy calls. The logits of only one chunk of tokens exist at a time:
 forward keeps per-token statistics (softmax normaliser, entropy), backward recomputes each chunk's logits from the saved
-hidden states and weight.
+hidden states and weight, unless the caller lets forward keep every chunk's logits (``keep_logits_bytes``: when they
+fit, backward then skips the recomputation, a third of the head's work). A caller that makes many backward passes can
+also hand a float32 buffer the weight's gradient is added into (``weight_grad``), instead of a fresh (V, H) gradient
+per backward for autograd to add to ``.grad``.
 
 Dtypes: each chunk's logits come from ``hidden @ weight.T (+ bias)`` in the inputs' common dtype (the matmul
 output dtype follows the inputs, so bf16 inputs give bf16 logits, rounded exactly as the model's own lm_head would
@@ -75,6 +78,19 @@ def default_chunk_size(
     return rows
 
 
+def keep_logits_bytes(device: torch.device, *, available_bytes: int | None = None) -> int:
+    """How many bytes of logits a chunked backward's head may keep from forward for backward, per node call: four
+    chunks' worth of :func:`default_chunk_size`'s CPU budget (1 GiB); on CUDA one chunk's (an eighth of the memory
+    available to an allocation, within its bounds). Each node call back-propagates once its chunks are done, so only
+    the live calls' logits are kept at once."""
+    if torch.device(device).type != "cuda":
+        return 4 * DEFAULT_CHUNK_BYTES
+    if available_bytes is None:
+        available_bytes = cuda_available_bytes(device)
+    low, high = GPU_CHUNK_BYTES_BOUNDS
+    return int(min(max(available_bytes * GPU_CHUNK_SHARE_OF_AVAILABLE, low), high))
+
+
 def _chunk_logits(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -144,22 +160,40 @@ class LinearLogpsFunction(torch.autograd.Function):
     """Autograd node of the chunked head over already-compacted rows (every target is a real token id)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, return_entropy, chunk_size, implementation):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        bias,
+        targets,
+        temperature,
+        softcap,
+        return_entropy,
+        chunk_size,
+        implementation,
+        keep_logits=False,
+        weight_grad=None,
+    ):
         n = hidden.shape[0]
         inv_t = 1.0 / temperature
         logps = torch.empty(n, dtype=torch.float32, device=hidden.device)
         norm = torch.empty((2, n), dtype=torch.float32, device=hidden.device)
         entropy = torch.empty_like(logps) if return_entropy else None
+        kept = []
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            logits, _ = _chunk_logits(hidden[start:end], weight, bias, softcap, keep_tanh=False)
+            logits, tanh = _chunk_logits(hidden[start:end], weight, bias, softcap, keep_tanh=keep_logits)
             lp, nm, ent = stats_forward(logits, targets[start:end], inv_t, _NO_IGNORE, return_entropy, implementation)
             logps[start:end] = lp
             norm[:, start:end] = nm
             if return_entropy:
                 entropy[start:end] = ent
-            del logits
+            if keep_logits:
+                kept.append((logits, tanh))
+            del logits, tanh
         ctx.save_for_backward(hidden, weight, bias, targets, norm, entropy)
+        ctx.kept = kept
+        ctx.weight_grad = weight_grad
         ctx.inv_t = inv_t
         ctx.softcap = softcap
         ctx.return_entropy = return_entropy
@@ -183,15 +217,25 @@ class LinearLogpsFunction(torch.autograd.Function):
         grad_entropy = grads[1] if ctx.return_entropy else None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         n = hidden.shape[0]
+        kept, ctx.kept = ctx.kept, None
         grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        # The caller's buffer (float32, the weight's shape) collects the weight's gradient across backward passes.
+        into_buffer = ctx.weight_grad is not None
+        if into_buffer:
+            grad_weight = ctx.weight_grad
+        else:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         if grad_logps is None and grad_entropy is None:
-            return (None,) * 9
-        for start in range(0, n, ctx.chunk_size):
+            return (None,) * 11
+        for index, start in enumerate(range(0, n, ctx.chunk_size)):
             end = min(start + ctx.chunk_size, n)
             h = hidden[start:end]
-            logits, tanh = _chunk_logits(h, weight, bias, ctx.softcap, keep_tanh=True)
+            if kept:
+                logits, tanh = kept[index]
+                kept[index] = None  # freed as the backward goes
+            else:
+                logits, tanh = _chunk_logits(h, weight, bias, ctx.softcap, keep_tanh=True)
             # The chunk's logits are recomputed scratch, so d logits may overwrite them (inplace=True).
             d_logits = stats_backward(
                 logits,
@@ -212,16 +256,18 @@ class LinearLogpsFunction(torch.autograd.Function):
             d_mm = d_logits.to(h.dtype)
             if need_h:
                 torch.mm(d_mm, weight, out=grad_hidden[start:end])
-            if need_w:
+            if grad_weight is not None:
                 _accumulate_mm(grad_weight, d_mm.t(), h)
             if need_b:
                 grad_bias.add_(d_logits.float().sum(0))
             del d_logits, d_mm
-        if grad_weight is not None:
+        if into_buffer:
+            grad_weight = None
+        elif grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, *(None,) * 8
 
 
 def linear_logps(
@@ -237,6 +283,8 @@ def linear_logps(
     ignore_index: int = -100,
     implementation: str = "auto",
     backend: str | None = None,
+    keep_logits_bytes: int = 0,
+    weight_grad: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs (and entropy) of ``targets`` under ``hidden @ weight.T (+ bias)``, chunked over tokens.
 
@@ -255,6 +303,12 @@ def linear_logps(
         implementation: per-chunk statistics by ``"triton"`` kernels, ``"torch"``, or ``"auto"`` (Triton on CUDA
             where its kernels can launch, see ``launch_probe``, or on CPU under ``TRITON_INTERPRET=1``).
         backend: deprecated name of ``implementation``.
+        keep_logits_bytes: with gradients, keep every chunk's logits from forward for backward when they take at most
+            this many bytes (rows x V x the matmul's element size, and the float32 tanh with a softcap), so that
+            backward does not recompute them; 0 (default) keeps none.
+        weight_grad: a float32 tensor of ``weight``'s shape, or None: backward adds the weight's gradient into it and
+            returns none for ``weight`` (the caller hands the buffer to the parameter once, after its last backward).
+            Only for a ``weight`` that is the parameter itself (or a cast of it).
     Returns:
         float32 log-probs shaped like ``targets`` (always <= 0), or ``(logps, entropy)`` when ``return_entropy``.
         Differentiable w.r.t. ``hidden``, ``weight`` and ``bias`` (through the entropy too).
@@ -302,6 +356,11 @@ def linear_logps(
         logps = zero.expand(0)
         outs = (logps, logps.clone()) if return_entropy else (logps,)
     else:
+        grad_needed = torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (hidden_2d, weight, bias)
+        )
+        per_row = weight.shape[0] * (weight.element_size() + (4 if softcap is not None else 0))
+        keep_logits = grad_needed and rows * per_row <= keep_logits_bytes
         with _no_autocast(hidden.device):  # dtypes were fixed above; forward and backward must agree on them
             result = LinearLogpsFunction.apply(
                 hidden_2d,
@@ -313,6 +372,8 @@ def linear_logps(
                 return_entropy,
                 chunk_size,
                 implementation,
+                keep_logits,
+                weight_grad,
             )
         outs = result if return_entropy else (result,)
 

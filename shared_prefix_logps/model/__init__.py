@@ -1,8 +1,8 @@
 """Everything the library does to a model before and outside its forward: ``discovery`` (the causal LM inside its
 wrappers, supported families, head settings, RoPE limits), ``installation`` (the attention registry entries and mask
 builders, non-reentrant checkpointing), ``head_check`` (the fused head reproduces the model's logits),
-``head_weights`` (the weight and bias a PEFT-wrapped head multiplies by) and ``preparation`` (all of it, once per
-model). What then runs inside the forward is in ``forward/``.
+``compiled`` (``torch.compile``d models) and ``preparation`` (all of it, once per model). What then runs inside the
+forward is in ``forward/``.
 """
 
 from ..errors import UnsupportedModelError

@@ -1,6 +1,6 @@
-"""Models under ``torch.compile``: the phases need graph breaks.
+"""Models under ``torch.compile``: node calls need graph breaks.
 
-The phases' attention, lm_head and result routing run eagerly inside a compiled model (they read and fill the phase
+A node call's attention, lm_head and result routing run eagerly inside a compiled model (they read and fill the call's
 context, which a traced graph would freeze at its first call; see ``forward/routing.py``), so dynamo breaks the graph
 around them and compiles the rest of each layer. A model or layer compiled with ``fullgraph=True`` forbids those
 breaks: dynamo raises instead, and the error is turned into one that says what to change.

@@ -75,7 +75,7 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
 
 def _refuse_prompt_learning(peft_model: nn.Module) -> None:
     """PEFT prompt learning (prompt tuning, prefix tuning, p-tuning, ...) adds virtual tokens in the PEFT model's own
-    forward: embeddings before every row or keys/values before every layer's, with positions ignored. The phases'
+    forward: embeddings before every row or keys/values before every layer's, with positions ignored. Node calls'
     rows, positions and prefix keys/values would not be the ones the model attends over."""
     configs = getattr(peft_model, "peft_config", None)
     if not isinstance(configs, dict):
@@ -137,13 +137,13 @@ def full_shape(param: torch.Tensor) -> torch.Size:
 
 
 def rope_length_limit(causal_lm: nn.Module) -> int | None:
-    """The longest row for which every forward, the two phases' and the model's own full-row one, picks the same
+    """The longest row for which every forward, each node call's and the model's own full-row one, picks the same
     RoPE frequencies; None when no rotary embedding of the model depends on the forward's length.
 
     ``dynamic`` (NTK) RoPE rescales its frequencies once a forward's largest position reaches the original context
     length, and ``longrope`` switches from its short to its long factors beyond ``original_max_position_embeddings``.
-    Both decide per forward from that forward's largest position, so the prompt pass, the completion pass and the
-    full-row forward would disagree for rows that cross the threshold.
+    Both decide per forward from that forward's largest position, so the node calls and the full-row forward would
+    disagree for rows that cross the threshold.
     """
     limit = None
     for module in causal_lm.modules():

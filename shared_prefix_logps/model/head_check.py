@@ -9,9 +9,10 @@ import contextlib
 import torch
 from torch import nn
 
+from ..engine.node_calls import single_node_call
 from ..errors import UnsupportedModelError
-from ..forward.context import CONTEXT_KWARG, CaptureContext, HeadCheckContext, PhaseHandle, activated
-from .head_weights import UnsupportedHeadError, head_state
+from ..forward.context import CONTEXT_KWARG, ContextHandle, HeadCheckContext, NodeContext, activated
+from ..forward.head_weights import UnsupportedHeadError, head_state
 
 
 def head_signature(prepared) -> tuple:
@@ -54,14 +55,15 @@ def verify_head(prepared) -> None:
     name = type(prepared.causal_lm).__name__
     check = HeadCheckContext(spec=prepared.head)
     ids = torch.arange(1, min(prepared.input_vocab_size, 5), device=prepared.device)[None]
-    # The layers attend through the shared-prefix attention (a one-prompt Phase 1), so the check does not depend on
-    # the model's own implementation being runnable here (a flash-attention name on a CPU tensor, say).
-    positions = torch.arange(ids.shape[1], device=prepared.device)[None]
-    attend = CaptureContext(key_valid=torch.ones_like(ids, dtype=torch.bool), positions=positions, needs_grad=False)
+    # The layers attend through the shared-prefix attention (a call of one node), so the check does not depend on the
+    # model's own implementation being runnable here (a flash-attention name on a CPU tensor, say).
+    call = single_node_call(ids)
+    positions = call.positions
+    attend = NodeContext(call, [], "expand", False, prepared.head, 1.0, False)
     try:
         with torch.no_grad(), _gathered_outside_engine(prepared.causal_lm), activated(check):
             output = prepared.outer(
-                input_ids=ids, position_ids=positions, use_cache=False, **{CONTEXT_KWARG: PhaseHandle(attend)}
+                input_ids=ids, position_ids=positions, use_cache=False, **{CONTEXT_KWARG: ContextHandle(attend)}
             )
         logits = output.logits.float()
     except UnsupportedHeadError as error:

@@ -1,6 +1,6 @@
 """Installing the shared-prefix attention on a model: the registry entries transformers calls from every attention
-layer (and the mask builders beside them), and non-reentrant activation checkpointing during the phases. All of it
-passes through to the model's own implementation outside a phase."""
+layer (and the mask builders beside them), and non-reentrant activation checkpointing during node calls. All of it
+passes through to the model's own implementation outside a node call."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ from torch import nn
 
 from ..errors import UnsupportedModelError
 from ..forward import attention
-from ..forward.context import CaptureContext, SharedContext, active_context
 
 
 def install_attention(causal_lm) -> None:
-    """Route ``causal_lm``'s attention through the library's registry entries: calls with a phase context take the
+    """Route ``causal_lm``'s attention through the library's registry entries: calls with a node context take the
     shared-prefix path, every other call the model's own implementation (its name kept, or an eager model switched
     to a name that encodes ``eager``).
 
@@ -31,7 +30,7 @@ def install_attention(causal_lm) -> None:
     if attention.is_shared_prefix_name(current):
         # Prepared before (or deep-copied from a prepared model): the name carries the original; make sure it is
         # registered in this process too.
-        _register(AttentionInterface, AttentionMaskInterface, current)
+        attention.register(current)
         return
     if hasattr(causal_lm, "_can_set_attn_implementation") and not causal_lm._can_set_attn_implementation():
         raise UnsupportedModelError(
@@ -47,7 +46,7 @@ def install_attention(causal_lm) -> None:
     if current in (None, "eager"):
         # Modeling files call their own eager function without consulting the registry, so the model is switched
         # to a name that encodes "eager" (see attention.implementation_name).
-        register_eager_name()
+        attention.register_eager_name()
         causal_lm.set_attn_implementation(attention.implementation_name("eager"))
         return
     if not isinstance(current, str) or current.startswith("paged|") or current not in ALL_ATTENTION_FUNCTIONS:
@@ -56,58 +55,23 @@ def install_attention(causal_lm) -> None:
             "AttentionInterface the shared-prefix path can intercept"
         )
     # Any other implementation (sdpa, flash_attention_2/3/4, flex_attention, hub kernels) keeps its name: its
-    # registry entries are wrapped so that only calls carrying a phase context take the shared-prefix path.
+    # registry entries are wrapped so that only calls carrying a node context take the shared-prefix path.
     AttentionInterface.register(current, attention.intercepting(ALL_ATTENTION_FUNCTIONS[current]))
     if current in ALL_MASK_ATTENTION_FUNCTIONS:
         AttentionMaskInterface.register(current, _intercepting_mask(ALL_MASK_ATTENTION_FUNCTIONS[current]))
 
 
-def register_eager_name() -> None:
-    """Register the name an eager model's config is switched to (the only name :func:`install_attention` writes into
-    a config). A prepared model loaded in another process (``torch.load``, multiprocessing, Ray) carries that name in
-    its config, and transformers looks it up in the registry on every forward, plain ones included."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    _register(AttentionInterface, AttentionMaskInterface, attention.implementation_name("eager"))
-
-
 def _intercepting_mask(original):
-    """The mask builder of an intercepted implementation: none inside a phase (the shared-prefix attention builds
-    its own masks from the phase context, so no rows x keys tensor is made), ``original`` otherwise."""
+    """The mask builder of an intercepted implementation: none inside a node call (the shared-prefix attention builds
+    its own masks from the call's context, so no rows x keys tensor is made), ``original`` otherwise."""
     if getattr(original, "_shared_prefix_original", None) is not None:
         return original
 
     def build(*args, **kwargs):
-        return None if _in_phase() else original(*args, **kwargs)
+        return None if attention.in_node_call() else original(*args, **kwargs)
 
     build._shared_prefix_original = original
     return build
-
-
-def _in_phase() -> bool:
-    """Whether a prompt or completion pass is running (not a plain forward, nor the head check's forward)."""
-    return isinstance(active_context(), (CaptureContext, SharedContext))
-
-
-def _register(attention_interface, mask_interface, name: str) -> None:
-    attention_interface.register(name, attention.shared_prefix_attention)
-    mask_interface.register(name, _shared_prefix_mask)
-
-
-def _shared_prefix_mask(*args, config=None, **kwargs):
-    """Mask builder registered beside the attention function.
-
-    Inside a phase the attention function builds its own masks from the context, so transformers builds none
-    (no rows x keys tensor); outside a phase the original implementation's mask builder runs.
-    """
-    if _in_phase():
-        return None
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-    name = attention.original_implementation_name(config) if config is not None else "sdpa"
-    builder = ALL_MASK_ATTENTION_FUNCTIONS[name if name in ("sdpa", "eager") else "sdpa"]
-    return builder(*args, config=config, **kwargs)
 
 
 def force_non_reentrant_checkpointing(causal_lm: nn.Module):

@@ -1,9 +1,9 @@
-"""Preparing a model for the two phases (idempotent, once per model; pass-through for ordinary forwards):
+"""Preparing a model for node calls (idempotent, once per model; pass-through for ordinary forwards):
 
-1. routes the phases' attention to :func:`~shared_prefix_logps.forward.attention.shared_prefix_attention`: a registry
+1. routes node calls' attention to :func:`~shared_prefix_logps.forward.attention.shared_prefix_attention`: a registry
    implementation (sdpa, flash, flex_attention, hub kernels) keeps its name and its registry entries are wrapped to
-   divert only calls carrying a phase context; an eager model is switched to a registered name that encodes "eager"
-   and falls back to the model's own eager function without a phase context (``installation``);
+   divert only calls carrying a node context; an eager model is switched to a registered name that encodes "eager"
+   and falls back to the model's own eager function without a node context (``installation``);
 2. swaps the lm_head's ``forward`` on the instance for a proxy (module hooks of FSDP/ZeRO still fire around it;
    ``forward/head_proxy.py``);
 3. checks, per model instance and again whenever the head, its hooks, its PEFT wrapping or the logit settings
@@ -29,7 +29,7 @@ _VERIFIED_ATTRIBUTE = "_shared_prefix_verified_heads"
 
 @dataclass(frozen=True)
 class PreparedModel:
-    """A model ready for the two phases.
+    """A model ready for node calls.
 
     Attributes:
         outer: the module the caller passed (DDP, PEFT, ...): every forward goes through it.

@@ -15,9 +15,11 @@ def compiled_on_cpu(monkeypatch):
 @pytest.fixture
 def flash_reference_kernels():
     """Run backend='flash' on the pure-torch reference of flash-attn's varlen kernels (any device, any dtype)."""
+    from support.flash_reference import REFERENCE
+
     from shared_prefix_logps.backends.flash_kernels import substituted
 
-    with substituted() as kernels:
+    with substituted(REFERENCE) as kernels:
         yield kernels
 
 

@@ -3,8 +3,9 @@ here for "cpu"):
 
 - every additive mask handed to SDPA has rows that start every 16 elements (the memory-efficient kernel copies a
   mask whose strides are not multiples of 8 in every call, and saves the copy for backward);
-- unpadded prompts without a window run Phase 1 with ``is_causal=True`` and no mask (kernels skip the key tiles above
-  the diagonal), and their Phase 2 mask is one row expanded over all rows;
+- a node call without ancestors or window (the prompts') runs with ``is_causal=True`` and no mask (kernels skip the key
+  tiles above the diagonal), and a call whose nodes have as many ancestor tokens (completions of unpadded prompts)
+  shares one mask row among its nodes;
 - the kernel is the first in torch's own priority order whose checks accept the call, KV heads are repeated only for a
   kernel that rejects grouped heads, and torch's priority order (which torch initializes in the first SDPA call of a
   process, cuDNN first on sm90) is left as torch set it. A fake SDPA stands in for CUDA's kernel selection, with the
@@ -19,12 +20,13 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from support.exactness import compare_with_dense
+from support.exactness import compare_with_dense, max_relative_grad_error, parameter_grads, weighted_loss
 from support.sdpa_spy import SdpaCalls, aligned_rows, enabled_kernels
 from support.tiny_models import build_model, make_batch
+from support.trees import pad_rows, random_tree_rows
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from shared_prefix_logps import compute_logps
+from shared_prefix_logps import compute_logps, compute_logps_tree
 from shared_prefix_logps.backends import expand, expand_memory, sdpa_kernels
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -59,43 +61,153 @@ def run_with_spy(monkeypatch, family, batch, sdpa=None):
     [("llama", True), ("llama", False), ("mistral", False), ("mistral", True)],
 )
 def test_every_mask_handed_to_sdpa_has_aligned_rows(family, padded, monkeypatch):
-    # P and C multiples of 8: the masks' last dims, L = P - 1 (Phase 1) and L + C (Phase 2), are 7 mod 8.
+    # The completions' call attends over the prompts (P = 16) and its own tokens (C = 7): 23 keys, 7 mod 8.
     maker = make_batch if padded else unpadded_batch
-    calls = run_with_spy(monkeypatch, family, maker(2, 3, 16, 8))
+    calls = run_with_spy(monkeypatch, family, maker(2, 3, 16, 7))
     masks = [call["mask"] for call in calls if call["mask"] is not None]
-    assert masks  # Phase 2 always has one; Mistral's window (6 keys) needs one in Phase 1 too
+    assert masks  # the completions' call always has one; Mistral's window (6 keys) needs one for the prompts too
     assert any(mask.shape[-1] == 23 for mask in masks)
     for mask in masks:
         assert aligned_rows(mask), (tuple(mask.shape), mask.stride())
 
 
 @pytest.mark.usefixtures("fused_path_on_cpu")
-def test_unpadded_prompts_run_phase1_causal_without_mask(monkeypatch):
+def test_prompts_run_causal_without_mask_and_completions_share_one_mask_row(monkeypatch):
     layers = 2
     calls = run_with_spy(monkeypatch, "llama", unpadded_batch(2, 3, 16, 8))
-    phase1 = [call for call in calls if call["key_len"] == 15]
-    phase2 = [call for call in calls if call["key_len"] == 23]
-    assert len(phase1) == layers and len(phase2) == 2 * layers  # Phase 2 runs again in backward
-    assert all(call["mask"] is None and call["is_causal"] for call in phase1)
-    # Phase 2: the same mask for every row, one (1, 1, C, L + C) row expanded (batch stride 0), not 6 copies.
-    mask = phase2[0]["mask"]
-    assert mask.shape == (6, 1, 8, 23) and mask.stride(0) == 0 and not phase2[0]["is_causal"]
-    # A padded batch keeps Phase 1's mask.
+    prompts = [call for call in calls if call["key_len"] == 16]
+    completions = [call for call in calls if call["key_len"] == 24]
+    # The completions' call runs again in backward (its gathered keys recomputed on the fused path).
+    assert len(prompts) == layers and len(completions) == 2 * layers
+    assert all(call["mask"] is None and call["is_causal"] for call in prompts)
+    # The completions' call: one (1, 1, C, P + C) mask row for every completion (not 5 copies), broadcast by SDPA.
+    mask = completions[0]["mask"]
+    assert mask.shape == (1, 1, 8, 24) and not completions[0]["is_causal"]
+    # Left-padded prompts of different lengths are rows padded after their tokens in the prompts' call, which
+    # causality hides: no mask there either; their completions have ancestors of different lengths: a mask per node.
     padded = run_with_spy(monkeypatch, "llama", make_batch(2, 3, 16, 8))
-    assert all(call["mask"] is not None and not call["is_causal"] for call in padded if call["key_len"] == 15)
+    assert all(call["mask"] is None and call["is_causal"] for call in padded if call["key_len"] == 16)
+    assert all(call["mask"].shape[0] > 1 for call in padded if call["key_len"] == 24)
 
 
 @pytest.mark.usefixtures("fused_path_on_cpu")
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "gemma2", "gpt_oss"])
 @pytest.mark.parametrize("prompt_len", [16, 1])
 def test_unpadded_prompts_on_fused_path_match_dense(family, prompt_len):
-    # prompt_len 1: no prefix at all, Phase 2 is causal attention over the completions alone.
+    # prompt_len 1: each completion attends over a one-token prompt.
     model = build_model(family)
     prompts, pmask, comps, cmask = unpadded_batch(2, 3, prompt_len, 8, seed=5)
     errors = compare_with_dense(
         model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, temperature=0.7, return_entropy=True
     )
     assert errors[0] <= 1e-5 and errors[1] <= 1e-5 and errors[2] <= 1e-4, errors
+
+
+# ---- prefix trees ---------------------------------------------------------------------------------------------------
+
+
+def spied_tree_pass(monkeypatch, model, ids, mask, score, sdpa=None, **options):
+    """Calls of the library's tree pass (forward with gradients, then backward) to SDPA, and the output;
+    ``options`` go to ``compute_logps_tree``."""
+    spy = SdpaCalls(sdpa or torch.nn.functional.scaled_dot_product_attention)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+        out = compute_logps_tree(model, ids, mask, score, return_entropy=True, **options)
+        out.logps.sum().backward()
+    model.zero_grad(set_to_none=True)
+    return [call for call in spy.calls if call["head_dim"] == HEAD_DIM]
+
+
+def shared_prompt_rows(prompt_len: int, suffixes: list[int], seed: int = 0):
+    """(ids, mask, score): rows of one shared ``prompt_len``-token prompt and suffixes of the given lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    system = torch.randint(0, 101, (prompt_len,), generator=gen).tolist()
+    rows = [system + torch.randint(0, 101, (n,), generator=gen).tolist() for n in suffixes]
+    return pad_rows(rows, seed, hole_rate=0.0)
+
+
+@pytest.mark.usefixtures("fused_path_on_cpu")
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])  # gemma2's softcap: explicit scores, no SDPA
+def test_every_tree_mask_handed_to_sdpa_has_aligned_rows_and_results_are_exact(family, monkeypatch):
+    model = build_model(family, layers=2)
+    ids, mask, score = pad_rows(random_tree_rows(3, depth=3, branching=3, max_segment=6), 3)
+    # Unmerged: the tiny-node rule would merge this trie's short nodes into a forest of top-level nodes (no mask).
+    calls = spied_tree_pass(monkeypatch, model, ids, mask, score, merge_tiny_nodes=False)
+    masks = [call["mask"] for call in calls if call["mask"] is not None]
+    assert masks and any(m.shape[-1] % 16 for m in masks), [tuple(m.shape) for m in masks]
+    for m in masks:
+        assert aligned_rows(m), (tuple(m.shape), m.stride())
+    # Every call on the fused path ran inside the kernel choice's context (off CUDA torch's checks accept no fused
+    # kernel, so the choice is the math kernel alone).
+    assert all(call["enabled"] == ("MATH",) for call in calls)
+    tree = compute_logps_tree(model, ids, mask, score, return_entropy=True)
+    dense = compute_logps_tree(model, ids, mask, score, return_entropy=True, backend="dense")
+    assert (tree.logps - dense.logps).abs().max().item() <= 1e-5
+    assert (tree.entropy - dense.entropy).abs().max().item() <= 1e-5
+    grad_err = max_relative_grad_error(
+        parameter_grads(model, weighted_loss(tree)), parameter_grads(model, weighted_loss(dense))
+    )
+    assert grad_err <= 1e-4
+
+
+@pytest.mark.usefixtures("fused_path_on_cpu")
+def test_root_call_of_a_shared_prompt_runs_causal_without_mask(monkeypatch):
+    layers = 2
+    model = build_model("llama", layers=layers)
+    # Unmerged: the 12-token prompt saves 24 tokens, fewer than the tiny-node rule's threshold, and would be merged.
+    calls = spied_tree_pass(monkeypatch, model, *shared_prompt_rows(12, [3, 5, 4]), merge_tiny_nodes=False)
+    root = [call for call in calls if call["key_len"] == 12]
+    children = [call for call in calls if call["key_len"] == 12 + 5]  # ancestors + the longest child
+    # The children's gather is recomputed in backward; the root call gathers nothing and runs once.
+    assert len(root) == layers and len(children) == 2 * layers
+    assert all(call["mask"] is None and call["is_causal"] for call in root)
+    assert all(call["mask"] is not None and not call["is_causal"] for call in children)
+    # Top-level nodes of different lengths are rows padded after their tokens, which causality hides from them: causal
+    # SDPA without a mask too.
+    gen = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, 101, (n,), generator=gen).tolist() for n in (6, 9)]
+    calls = spied_tree_pass(monkeypatch, model, *pad_rows(rows, 1, hole_rate=0.0))
+    assert calls and all(call["mask"] is None and call["is_causal"] for call in calls)
+
+
+def _torch_2_11_sm80(kernel, query, key, value, mask, dropout, is_causal, enable_gqa):
+    """torch 2.11 on sm80: flash takes no mask (grouped heads natively), the memory-efficient kernel no grouped
+    heads, cuDNN nothing."""
+    grouped = key.shape[1] != query.shape[1]
+    if kernel == "FLASH_ATTENTION":
+        return mask is None and (not grouped or enable_gqa)
+    return kernel == "EFFICIENT_ATTENTION" and not grouped
+
+
+_REAL_SDPA = torch.nn.functional.scaled_dot_product_attention
+
+
+def _math_on_cpu(query, key, value, attn_mask=None, **kwargs):
+    # The numbers come from torch's CPU math kernel, whatever the emulated choice enabled.
+    with sdpa_kernel([SDPBackend.MATH]):
+        return _REAL_SDPA(query, key, value, attn_mask=attn_mask, **kwargs)
+
+
+@pytest.mark.usefixtures("fused_path_on_cpu")
+def test_tree_kernel_choice_goes_through_torchs_checks_and_repeats_heads_only_when_needed(monkeypatch):
+    monkeypatch.setattr(sdpa_kernels, "accepts", _torch_2_11_sm80)
+    model = build_model("llama", layers=2)  # 4 query heads over 2 KV heads
+    ids, mask, score = shared_prompt_rows(12, [3, 5, 4], seed=2)
+    # Unmerged (the tiny-node rule would merge the 12-token prompt into its children: no masked call).
+    calls = spied_tree_pass(monkeypatch, model, ids, mask, score, sdpa=_math_on_cpu, merge_tiny_nodes=False)
+    root = [call for call in calls if call["mask"] is None]
+    masked = [call for call in calls if call["mask"] is not None]
+    assert root and masked
+    assert all(call["enabled"] == ("FLASH_ATTENTION",) and call["gqa"] and not call["same_heads"] for call in root)
+    assert all(call["enabled"] == ("EFFICIENT_ATTENTION",) and call["same_heads"] for call in masked)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _math_on_cpu)
+    tree = compute_logps_tree(model, ids, mask, score)
+    dense = compute_logps_tree(model, ids, mask, score, backend="dense")
+    assert (tree.logps - dense.logps).abs().max().item() <= 1e-5
+    grad_err = max_relative_grad_error(
+        parameter_grads(model, weighted_loss(tree)), parameter_grads(model, weighted_loss(dense))
+    )
+    assert grad_err <= 1e-4
 
 
 # ---- kernel choice under CUDA's rules, emulated ---------------------------------------------------------------------
@@ -229,13 +341,14 @@ def test_torch_2_11_repeats_heads_only_for_the_kernel_that_needs_it(fake_cuda, m
     errors = compare_with_dense(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask)
     assert errors[0] <= 1e-5 and errors[2] <= 1e-4, errors
     ours = [(fake.kernels[i], call) for i, call in enumerate(spy.calls) if call["enabled"] != enabled_kernels()]
-    phase1 = [(kernel, call) for kernel, call in ours if call["key_len"] == 15]
-    phase2 = [(kernel, call) for kernel, call in ours if call["key_len"] == 23]
-    assert phase1 and phase2
-    # Phase 1 (causal, no mask): flash, grouped heads native.
-    assert all(kernel == "FLASH_ATTENTION" and call["gqa"] and not call["same_heads"] for kernel, call in phase1)
-    # Phase 2 (a mask, grouped heads): flash takes no mask, the memory-efficient kernel no grouped heads: repeated.
-    assert all(kernel == "EFFICIENT_ATTENTION" and call["same_heads"] for kernel, call in phase2)
+    prompts = [(kernel, call) for kernel, call in ours if call["key_len"] == 16]
+    completions = [(kernel, call) for kernel, call in ours if call["key_len"] == 24]
+    assert prompts and completions
+    # The prompts' call (causal, no mask): flash, grouped heads native.
+    assert all(kernel == "FLASH_ATTENTION" and call["gqa"] and not call["same_heads"] for kernel, call in prompts)
+    # The completions' (a mask, grouped heads): flash takes no mask, the memory-efficient kernel no grouped heads:
+    # repeated.
+    assert all(kernel == "EFFICIENT_ATTENTION" and call["same_heads"] for kernel, call in completions)
     assert list(torch._C._get_sdp_priority_order()) == initial
 
 

@@ -1,14 +1,17 @@
-"""The flash backend's kernels in isolation, in float64: the pure-torch varlen reference against plain attention,
-and the two-part cascade (prefix part + own causal part, merged by log-sum-exp, backward from the merged output and
-log-sum-exp) against plain attention over [prefix ; own tokens causally]."""
+"""The flash layout's kernels in isolation, in float64: the pure-torch varlen reference against plain attention, and a
+node call's parts (its own causal part and one per ancestor level, merged by log-sum-exp, backward from the merged
+output and log-sum-exp) against plain attention over [ancestors ; own tokens causally]."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from support import flash_reference
+from support.flash_reference import REFERENCE
+from support.trees import planned_node_calls, random_tree_rows, token_visibility
 
-from shared_prefix_logps.backends import flash, flash_reference
-from shared_prefix_logps.backends.flash_kernels import REFERENCE
+from shared_prefix_logps.backends import flash
+from shared_prefix_logps.backends.flash_kernels import substituted
 
 
 def plain_attention(q, k, v, visible, scale, softcap=0.0):
@@ -77,69 +80,55 @@ def test_reference_marks_a_query_without_keys_as_flash_attn_does():
     assert (out == 0).all() and torch.isposinf(lse).all()
 
 
-def cascade_case(seed, *, group_index, prefix_lengths, row_lengths, heads=4, kv_heads=2, dim=8, v_dim=8):
-    """Packed tensors of a Phase 2 cascade and the (n, m + n) visibility of plain attention over [prefix ; own]."""
-    rows = torch.arange(len(row_lengths)).repeat_interleave(torch.tensor(row_lengths))
-    segments = torch.arange(len(prefix_lengths)).repeat_interleave(torch.tensor(prefix_lengths))
-    n, m = rows.numel(), segments.numel()
-    q, k, v, dout = tensors(n, n, heads, kv_heads, dim, v_dim, seed)
-    gen = torch.Generator().manual_seed(seed + 100)
-    pk = torch.randn(m, kv_heads, dim, generator=gen, dtype=torch.float64, requires_grad=True)
-    pv = torch.randn(m, kv_heads, v_dim, generator=gen, dtype=torch.float64, requires_grad=True)
-    group_index = torch.tensor(group_index)
-    order = torch.arange(n)
-    own = (rows[:, None] == rows[None, :]) & (order[None, :] <= order[:, None])
-    prefix = group_index[rows][:, None] == segments[None, :]
-    visible = torch.cat([prefix, own], dim=1)
-    return (q, k, v, pk, pv, dout), rows, group_index, segments, visible
-
-
-def run_cascade(case, rows, group_index, segments, softcap=0.0):
-    q, k, v, pk, pv, dout = case
-    plan = flash.cascade_plan(rows, group_index, segments, group_index.numel())
-    out = flash._CascadeAttention.apply(q, k, v, pk, pv, REFERENCE, plan, dict(scale=0.3, softcap=softcap))
-    return out, torch.autograd.grad(out, (q, k, v, pk, pv), dout)
-
-
-def plain_cascade(case, visible, softcap=0.0):
-    q, k, v, pk, pv, dout = case
-    out = plain_attention(q, torch.cat([pk, k]), torch.cat([pv, v]), visible, 0.3, softcap)
-    return out, torch.autograd.grad(out, (q, k, v, pk, pv), dout)
-
-
-CASES = {
-    # Rows of a prompt consecutive, prompts ascending (no permutation), G = 2.
-    "sorted": dict(group_index=[0, 0, 1, 1], prefix_lengths=[4, 6], row_lengths=[3, 5, 2, 4]),
-    # Rows in any order (compute_logps_concatenated), a row without tokens, a prompt without prefix keys, and a
-    # prompt with prefix keys but no query (every completion of it empty).
-    "shuffled": dict(group_index=[1, 0, 2, 1, 0, 2, 3], prefix_lengths=[3, 5, 0, 2], row_lengths=[2, 3, 4, 0, 1, 3, 0]),
-    # G = 1, a single query per row.
-    "one row each": dict(group_index=[0, 1, 2], prefix_lengths=[1, 7, 2], row_lengths=[1, 1, 1]),
-}
-
-
-@pytest.mark.parametrize("name", CASES)
 @pytest.mark.parametrize("softcap", [0.0, 2.0])
-def test_cascade_matches_plain_attention_forward_and_backward(name, softcap):
-    case, rows, group_index, segments, visible = cascade_case(3, **CASES[name])
-    out, grads = run_cascade(case, rows, group_index, segments, softcap)
-    expected, expected_grads = plain_cascade(case, visible, softcap)
-    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
-    for what, got, want in zip(("q", "k", "v", "prefix k", "prefix v"), grads, expected_grads):
-        assert want.abs().max() > 0 or want.numel() == 0
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-12, msg=what)
+@pytest.mark.parametrize("rows_per_chunk", [1, 3])
+def test_merged_parts_match_plain_attention_forward_and_backward(softcap, rows_per_chunk):
+    """Every node call of a depth-4 trie (nodes at every depth, later chunks over several earlier calls): the own
+    part and one part per ancestor level, merged by log-sum-exp (backward from the merged output and log-sum-exp),
+    against plain attention over [ancestor store ; own tokens] under the trie's visibility, in float64, GQA 4:2."""
+    trie, calls = planned_node_calls(
+        random_tree_rows(4, depth=4, branching=3, max_segment=4), rows_per_chunk=rows_per_chunk, layout="flash"
+    )
+    assert max(len(call.levels) for call in calls) >= 3
+    gen = torch.Generator().manual_seed(rows_per_chunk)
+    heads, kv_heads, dim = 4, 2, 8
+    for call in calls:
+        n, store = call.num_tokens, call.store_node.numel()
+        sizes = [store // max(len(call.sources), 1)] * len(call.sources)
+        if sizes:
+            sizes[-1] += store - sum(sizes)
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_()
+
+        query, key, value = rand(1, heads, n, dim), rand(1, kv_heads, n, dim), rand(1, kv_heads, n, dim)
+        ancestors = [(rand(kv_heads, size, dim), rand(kv_heads, size, dim)) for size in sizes]
+        options = dict(scaling=0.3, softcap=softcap, dropout=0.0)
+        with substituted(REFERENCE):
+            ours = flash.node_attention(None, query, key, value, call, ancestors, {}, None, options, True)[0]
+        keys = torch.cat([*(k for k, _ in ancestors), key[0]], 1).transpose(0, 1)
+        values = torch.cat([*(v for _, v in ancestors), value[0]], 1).transpose(0, 1)
+        q = query[0].transpose(0, 1)
+        expected = plain_attention(q, keys, values, token_visibility(trie, call, None), 0.3, softcap)
+        upstream = torch.randn(expected.shape, generator=gen, dtype=torch.float64)
+        inputs = (query, key, value, *(t for pair in ancestors for t in pair))
+        grads = torch.autograd.grad((ours * upstream).sum(), inputs)
+        expected_grads = torch.autograd.grad((expected * upstream).sum(), inputs)
+        torch.testing.assert_close(ours, expected, rtol=0, atol=1e-12)
+        for got, want in zip(grads, expected_grads):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
-def test_merge_of_two_halves_is_attention_over_their_union():
-    q, k, v, _ = tensors(3, 6, 2, 2, 4, 4, seed=5)
+def test_merge_of_three_parts_is_attention_over_their_union():
+    q, k, v, _ = tensors(3, 9, 2, 2, 4, 4, seed=5)
     with torch.no_grad():
-        halves = [
+        parts = [
             flash_reference.varlen_forward(q, k[s], v[s], offsets([3]), offsets([3]), 3, 3, scale=0.5, causal=False)
-            for s in (slice(0, 3), slice(3, 6))
+            for s in (slice(0, 3), slice(3, 6), slice(6, 9))
         ]
-        out, lse = flash.merge(*halves[0], *halves[1])
+        out, lse = flash.merge([o for o, _ in parts], [lse for _, lse in parts])
         whole, whole_lse = flash_reference.varlen_forward(
-            q, k, v, offsets([3]), offsets([6]), 3, 6, scale=0.5, causal=False
+            q, k, v, offsets([3]), offsets([9]), 3, 9, scale=0.5, causal=False
         )
     torch.testing.assert_close(out, whole, rtol=0, atol=1e-12)
     torch.testing.assert_close(lse, whole_lse, rtol=0, atol=1e-12)

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import flash_reference
 
-from shared_prefix_logps.backends import flash_kernels, flash_reference
+from shared_prefix_logps.backends import flash_kernels
 
 
 def _checked_window(window_size_right, causal):

@@ -47,60 +47,79 @@ def test_chunked_scoring_equals_one_pass(backend, budget):
     assert (chunked.entropy - dense.entropy).abs().max() <= 1e-5
 
 
-def _peak_scoring_bytes(model, num_prompts, generations, budget, backend):
-    # Unpadded rows, so every chunk has the same shape and only the number of chunks changes with the batch.
+def _scoring_bytes(model, num_prompts, generations, budget, backend, monkeypatch):
+    """(bytes the call's plan holds per scored token, peak bytes the walk's forwards add above what was live when it
+    started) of a no-grad call on unpadded rows (every chunk of one shape: only their number changes)."""
+    from shared_prefix_logps.engine import scoring
+
     gen = torch.Generator().manual_seed(9)
     prompts = torch.randint(0, 101, (num_prompts, 24), generator=gen)
     comps = torch.randint(0, 101, (num_prompts * generations, 12), generator=gen)
     tracker = LiveTensorBytes()
-    with torch.no_grad(), tracker:
-        compute_logps(model, prompts, comps, token_budget=budget, backend=backend)
-    return tracker.peak
+    at_walk = {}
+
+    class Walk(scoring.Walk):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            at_walk["live"] = tracker.live
+            tracker.peak = tracker.live  # from here on: what the forwards add
+
+    with monkeypatch.context() as patch:
+        patch.setattr(scoring, "Walk", Walk)
+        with torch.no_grad(), tracker:
+            compute_logps(model, prompts, comps, token_budget=budget, backend=backend)
+    return at_walk["live"] / comps.numel(), tracker.peak - at_walk["live"]
 
 
-def test_scoring_memory_is_flat_in_generations_and_prompts():
+def test_scoring_memory_is_flat_in_generations_and_prompts(monkeypatch):
     # The live-bytes tracker cannot look inside flex_attention, so this runs the CPU default, expand; the flex
-    # path uses the same chunk plan (its results are checked in test_chunked_scoring_equals_one_pass).
+    # path uses the same chunks (its results are checked in test_chunked_scoring_equals_one_pass).
     backend = "expand"
-    # Wide enough that activations, not the O(batch) ids and outputs, are what a budget has to bound.
     model = build_model("qwen2", layers=4, hidden=256)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        budget = 3 * 36  # a few rows of 12 completion + 24 prefix tokens, two prompts of 24
-        g4 = _peak_scoring_bytes(model, 2, 4, budget, backend)
-        g32 = _peak_scoring_bytes(model, 2, 32, budget, backend)
-        p8 = _peak_scoring_bytes(model, 8, 4, budget, backend)
-        p64 = _peak_scoring_bytes(model, 64, 4, budget, backend)
-    assert g32 <= 1.2 * g4, (g4, g32)
-    assert p64 <= 1.2 * p8, (p8, p64)
-    # Without a budget the same calls do grow, so the bound above is the budget's doing.
-    assert _peak_scoring_bytes(model, 2, 32, 10**9, backend) > 2 * g4
+        budget = 3 * 36  # a few rows of 12 completion + 24 prompt tokens
+        (g4_plan, g4), (g16_plan, g16), (p8_plan, p8), (p32_plan, p32) = (
+            _scoring_bytes(model, prompts, generations, budget, backend, monkeypatch)
+            for prompts, generations in ((2, 4), (2, 16), (8, 4), (32, 4))
+        )
+        _, unbounded = _scoring_bytes(model, 2, 16, 10**9, backend, monkeypatch)
+    # What the forwards add is bounded by the budget, whatever the number of rows...
+    assert g16 <= 1.2 * g4, (g4, g16)
+    assert p32 <= 1.2 * p8, (p8, p32)
+    # ... which is its doing: without a budget the same call's forwards grow.
+    assert unbounded > 2 * g4
+    # The plan itself (the rows' trie, scored pairs and the walk's bookkeeping, with the caller's ids) holds a few
+    # integers per scored token: the O(batch) part no budget bounds.
+    assert max(g4_plan, g16_plan, p8_plan, p32_plan) <= 160, (g4_plan, g16_plan, p8_plan, p32_plan)
 
 
-def test_flex_phase2_without_valid_tokens_forwards_one_placeholder():
-    """Every completion masked (scored with gradient, a batch is no longer skipped): the packed layout has no valid
-    query, but a forward needs a token. One placeholder query is forwarded, the head computes nothing for it, and the
-    rows come back all zero."""
-    from shared_prefix_logps.inputs import group_batch
+def test_every_completion_masked_forwards_only_what_a_gradient_needs():
+    """Every completion masked: without gradients nothing is forwarded and the rows come back all zero; with them
+    only the prompts' node call is made (no completion node has a token), and its zero result hangs off the model's
+    graph: every parameter gets the dense path's zero gradient."""
     from shared_prefix_logps.model import prepare_model
-    from shared_prefix_logps.phases import capture_prefix, score_rows
 
     model = build_model("gemma2")
-    prepared = prepare_model(model)
+    prepare_model(model)  # its head check's forward, outside the count
     prompts, pmask, comps, _ = make_batch(2, 3, prompt_len=7, completion_len=5)
-    batch = group_batch(prompts, comps, pmask, torch.zeros(comps.shape, dtype=torch.bool), model=prepared)
-    part = batch.select_rows(torch.arange(comps.shape[0]))
-    assert part.completion_ids.shape == (6, 1)  # one (masked) column is kept
+    kwargs = dict(prompt_mask=pmask, completion_mask=torch.zeros(comps.shape, dtype=torch.bool), return_entropy=True)
     shapes = []
     handle = model.get_input_embeddings().register_forward_pre_hook(lambda m, args: shapes.append(args[0].shape))
     try:
-        with torch.no_grad():  # flex has no backward on CPU; the forward is what differs here
-            capture = capture_prefix(prepared, part.prompt_ids, part.prompt_mask, packed=True)
-            logps, entropy = score_rows(prepared, part, capture, temperature=1.0, return_entropy=True, packed=True)
+        with torch.no_grad():
+            out = compute_logps(model, prompts, comps, backend="flex", **kwargs)
+        assert shapes == [] and not out.logps.any() and not out.entropy.any()
+        out = compute_logps(model, prompts, comps, backend="expand", **kwargs)
+        assert shapes == [(1, int(pmask.sum()))]  # the prompts' call alone
     finally:
         handle.remove()
-    assert shapes[-1] == (1, 1)
-    assert logps.shape == entropy.shape == (6, 1) and not logps.any() and not entropy.any()
+    params = [p for p in model.parameters() if p.requires_grad]
+    ours = torch.autograd.grad(out.logps.sum() + out.entropy.sum(), params)
+    dense = compute_logps(model, prompts, comps, backend="dense", **kwargs)
+    theirs = torch.autograd.grad(dense.logps.sum() + dense.entropy.sum(), params, allow_unused=True)
+    for mine, reference in zip(ours, theirs):
+        assert not mine.any() and (reference is None or not reference.any())
 
 
 @pytest.mark.gpu

@@ -1,6 +1,7 @@
-"""The flex backend's structure-built BlockMasks: block for block what ``create_block_mask`` builds from the mask
-function, what flex's CUDA kernel reads from them is exactly the batch's visibility, results exact against dense when
-attention reads only the listed blocks, and a ~1M-query mask built in seconds and memory proportional to its blocks.
+"""The flex layout's structure-built BlockMasks of node calls: block for block what ``create_block_mask`` builds from
+the mask function, what flex's CUDA kernel reads from them is exactly what the trie allows (tries of any depth, and
+grouped batches' two-level tries), results exact against dense when attention reads only the listed blocks, and a
+~1M-query mask built in seconds and memory proportional to its blocks.
 
 On CPU flex_attention runs its eager implementation, which evaluates the mask function everywhere and ignores the
 block lists; ``support.block_sparse`` reads the lists the way the CUDA kernel does (mask function on partial blocks
@@ -14,13 +15,15 @@ import time
 import pytest
 import torch
 from support.block_sparse import block_sets, kernel_attention, kernel_visibility
-from support.flex_batches import expected_visibility, random_packed_batch, regular_packed_batch
 from support.tiny_models import build_model, make_batch
+from support.trees import pad_rows, planned_node_calls, random_tree_rows, token_visibility
 
-from shared_prefix_logps import compute_logps
+from shared_prefix_logps import compute_logps, compute_logps_tree
 from shared_prefix_logps.backends import flex
 from shared_prefix_logps.backends.flex_blocks import Links, Segments, segments_of, structured_block_mask
 from shared_prefix_logps.bench.memory import LiveTensorBytes
+from shared_prefix_logps.engine.node_calls import CallPlanner, ScoredPairs
+from shared_prefix_logps.engine.trie import grouped_trie, levels
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
@@ -38,51 +41,67 @@ def _assert_same_blocks(ours, theirs):
     assert torch.equal(ours.to_dense(), theirs.to_dense())
 
 
-WINDOWS = [None, 1, 7, 128, 200, 333]
-
-
-@pytest.mark.parametrize("seed", range(8))
-def test_phase2_mask_equals_create_block_mask_and_the_batch(seed):
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    context, num_prefix = random_packed_batch(seed)
-    n = context.query_rows.numel()
-    q_len, kv_len = flex._round_up(n, CPU), flex._round_up(n + num_prefix, CPU)
-    for window in WINDOWS:
-        for q_blocks in (False, True):
-            ours = flex._shared_block_mask(context, n, num_prefix, q_len, kv_len, window, CPU, q_blocks=q_blocks)
-            assert (ours.q_indices is not None) == (q_blocks or not flex_q_blocks_optional())
-            theirs = create_block_mask(ours.mask_mod, None, None, q_len, kv_len, device="cpu")
-            _assert_same_blocks(ours, theirs)
-            expected = expected_visibility(context, num_prefix, q_len, kv_len, window)
-            assert torch.equal(kernel_visibility(ours), expected), (seed, window)
+WINDOWS = [None, 3, 70, 200]
 
 
 def flex_q_blocks_optional():
+    """Whether this torch's BlockMask may omit the backward (q-side) indices."""
     from shared_prefix_logps.backends.flex_blocks import _q_blocks_optional
 
     return _q_blocks_optional()
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_phase1_mask_equals_create_block_mask(seed):
+def _check_calls(trie, calls):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    context, num_prefix = random_packed_batch(3 * seed + 101)  # seeds not multiples of 3 keep the first prefix
-    capture = context.capture
-    assert capture is not None and num_prefix > 0
-    capture.needs_grad = True
-    length = flex._round_up(num_prefix, CPU)
-    for window in WINDOWS:
-        ours = flex._capture_block_mask(capture, num_prefix, length, window, CPU, q_blocks=True)
-        theirs = create_block_mask(ours.mask_mod, None, None, length, length, device="cpu")
-        _assert_same_blocks(ours, theirs)
-        segments, positions = capture.segments, capture.positions[0]
-        expected = (segments[:, None] == segments[None]) & (positions[:, None] >= positions[None])
-        if window is not None:
-            expected &= positions[:, None] - positions[None] < window
-        assert torch.equal(kernel_visibility(ours)[:num_prefix, :num_prefix], expected)
-        assert not kernel_visibility(ours)[num_prefix:].any() and not kernel_visibility(ours)[:, num_prefix:].any()
+    for call in calls:
+        n, keys = call.num_tokens, call.store_node.numel() + call.num_tokens
+        q_len, kv_len = flex.padded_length(n, CPU), flex.padded_length(keys, CPU)
+        for window in WINDOWS:
+            ours = flex.node_block_mask(call, window, q_len, kv_len)
+            seen = kernel_visibility(ours)
+            assert torch.equal(seen[:n, :keys], token_visibility(trie, call, window)), window
+            assert not seen[n:].any() and not seen[:, keys:].any()
+            _assert_same_blocks(ours, create_block_mask(ours.mask_mod, None, None, q_len, kv_len, device="cpu"))
+
+
+@pytest.mark.parametrize("seed, rows_per_chunk", [(0, 3), (5, 3), (2, 4)])
+def test_node_masks_of_tries_are_what_the_trie_allows_read_like_the_kernel(seed, rows_per_chunk):
+    """Nodes of up to 70 tokens (node boundaries inside 128-token blocks, calls over several blocks), calls of later
+    chunks attending over stores whose nodes are out of depth-first order; windows shorter and longer than a block."""
+    rows = random_tree_rows(seed, depth=4, branching=3, max_segment=70)
+    trie, calls = planned_node_calls(rows, rows_per_chunk=rows_per_chunk)
+    assert any(bool((call.store_node[1:] < call.store_node[:-1]).any()) for call in calls)
+    assert max(call.num_tokens for call in calls) > flex.LENGTH_BUCKET
+    assert max(call.store_node.numel() for call in calls) > flex.LENGTH_BUCKET
+    _check_calls(trie, calls)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_node_masks_of_grouped_batches_are_what_they_allow_read_like_the_kernel(seed):
+    """Two-level tries of grouped batches: prompts of 1 to 300 tokens, 1 to 4 generations, completions of 0 to 200
+    tokens, rows in random prompt order (trainer-shaped batches), the prompts' call then the completions'."""
+    gen = torch.Generator().manual_seed(seed)
+    num_prompts, generations = (int(torch.randint(1, 5, (), generator=gen)) for _ in range(2))
+    prompt_len = torch.randint(1, 301, (num_prompts,), generator=gen)
+    width = int(prompt_len.max())
+    pmask = torch.arange(width)[None, :] >= (width - prompt_len)[:, None]
+    comp_len = torch.randint(0, 201, (num_prompts * generations,), generator=gen)
+    comp_len[0] = max(1, int(comp_len[0]))
+    cmask = torch.arange(int(comp_len.max()))[None, :] < comp_len[:, None]
+    group = torch.randint(0, num_prompts, (num_prompts * generations,), generator=gen)
+    group[:num_prompts] = torch.arange(num_prompts)
+    trie = grouped_trie(
+        torch.randint(0, 101, pmask.shape, generator=gen) * pmask,
+        pmask,
+        torch.ones_like(cmask, dtype=torch.long) * cmask,
+        cmask,
+        group,
+    )
+    planner = CallPlanner(trie, ScoredPairs(*(torch.zeros(0, dtype=torch.long),) * 3), "flex")
+    calls = [planner.plan(nodes) for nodes in levels(trie)]
+    assert len(calls) == 2 and calls[1].store_node.numel() == int(prompt_len.sum())
+    _check_calls(trie, calls)
 
 
 def test_a_tree_of_segments_equals_create_block_mask():
@@ -111,7 +130,7 @@ def test_a_tree_of_segments_equals_create_block_mask():
             causal.append(other == node)
     links = Links(query=torch.tensor(query_ids), key=torch.tensor(key_ids), causal=torch.tensor(causal))
     total = int(lengths.sum())
-    length = flex._round_up(total, CPU)
+    length = flex.padded_length(total, CPU)
     node_of_q = torch.full((length,), -1).index_copy(0, torch.arange(total), torch.arange(4).repeat_interleave(lengths))
     pos_of_q = torch.zeros(length, dtype=torch.long)
     node_of_k, pos_of_k = torch.full((length,), -2), torch.zeros(length, dtype=torch.long)
@@ -162,7 +181,7 @@ def _kernel_flex_entry(query, key, value, block_mask, score_mod, scale, enable_g
 
 @pytest.mark.parametrize("family", ["gemma2", "mistral", "qwen2"])
 @pytest.mark.parametrize("shape", [(3, 1, 150, 30), (2, 4, 60, 140), (4, 2, 13, 8)])
-def test_results_exact_when_attention_reads_only_the_listed_blocks(family, shape, monkeypatch):
+def test_grouped_results_exact_when_attention_reads_only_the_listed_blocks(family, shape, monkeypatch):
     """Gemma2 (softcaps, windows of 5 and none), Mistral (window 6), Qwen2; G=1 and larger; one-token prompts and
     empty completion rows (make_batch); prompts or completions longer than a block."""
     monkeypatch.setattr(flex, "_flex_entry", _kernel_flex_entry)
@@ -176,14 +195,39 @@ def test_results_exact_when_attention_reads_only_the_listed_blocks(family, shape
     assert (ours.entropy - dense.entropy).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2", "mistral"])
+@pytest.mark.parametrize("budget, max_segment", [(1, 70), (None, 70), (None, 300)])
+def test_tree_results_exact_when_attention_reads_only_the_listed_blocks(family, budget, max_segment, monkeypatch):
+    """Gemma2 (softcaps, a window of 5 and none), Mistral (window 6), Llama; the walk one row at a time or all at
+    once; calls whose queries and ancestor stores span several blocks, nodes longer than a block (full blocks,
+    where the kernel does not run the mask function)."""
+    monkeypatch.setattr(flex, "_flex_entry", _kernel_flex_entry)
+    model = build_model(family)
+    ids, mask, score = pad_rows(random_tree_rows(2, depth=3, branching=2, max_segment=max_segment), 2)
+    with torch.no_grad():
+        ours = compute_logps_tree(model, ids, mask, score, return_entropy=True, token_budget=budget, backend="flex")
+        dense = compute_logps_tree(model, ids, mask, score, return_entropy=True, backend="dense")
+    assert (ours.logps - dense.logps).abs().max().item() <= 1e-5
+    assert (ours.entropy - dense.entropy).abs().max().item() <= 1e-5
+
+
 def test_a_million_query_mask_builds_in_seconds_and_memory_proportional_to_its_blocks(monkeypatch):
-    """8 prompts x 4096 prefix tokens x 16 generations x 8192 completion tokens: 1,048,576 queries over 1,081,344
-    keys (1.1e12 pairs). The mask is taken from the backend's Phase 2 entry point (the attention call itself is
-    replaced by a probe), as a forward would build it. Evaluating the mask function at every pair (what
+    """8 prompts x 4096 prompt tokens x 16 generations x 8192 completion tokens: the completions' call has 1,048,576
+    queries over 1,081,344 keys (1.1e12 pairs). The mask is taken from the layout's entry point (the attention call
+    itself is replaced by a probe), as a forward would build it. Evaluating the mask function at every pair (what
     create_block_mask does) took 35 s and 13 GB at 32k queries and grows with the square of the batch."""
     prompts, prefix, generations, completion = 8, 4096, 16, 8192
-    context = regular_packed_batch(prompts, prefix, generations, completion)
-    n = context.query_rows.numel()
+    rows = prompts * generations
+    trie = grouped_trie(
+        torch.zeros(prompts, prefix, dtype=torch.long),
+        torch.ones(prompts, prefix, dtype=torch.bool),
+        torch.zeros(rows, completion, dtype=torch.long),
+        torch.ones(rows, completion, dtype=torch.bool),
+        torch.arange(prompts).repeat_interleave(generations),
+    )
+    planner = CallPlanner(trie, ScoredPairs(*(torch.zeros(0, dtype=torch.long),) * 3), "flex")
+    prompts_call, call = (planner.plan(nodes) for nodes in levels(trie))
+    n = call.num_tokens
     built = {}
 
     def probe(query, key, value, block_mask, *args, **kwargs):
@@ -192,15 +236,16 @@ def test_a_million_query_mask_builds_in_seconds_and_memory_proportional_to_its_b
 
     monkeypatch.setattr(flex, "_attend", probe)
     query = torch.zeros(1, 1, n, 1)
+    store = torch.zeros(1, prompts_call.num_tokens, 1)
     tracker = LiveTensorBytes()
     start = time.perf_counter()
     with torch.no_grad(), tracker:
-        flex.packed_shared_attention(object(), query, query, query, context, None, {})
+        flex.node_attention(query, query, query, call, [(store, store)], {}, None, {}, needs_grad=False)
     seconds = time.perf_counter() - start
     mask = built["mask"]
 
     # The exact block counts of this layout (everything aligned to 128): a query block of completion block k sees
-    # its prompt's 32 prefix blocks and its row's k earlier blocks whole, and its own diagonal block in part.
+    # its prompt's 32 blocks and its row's k earlier blocks whole, and its own diagonal block in part.
     per_row = completion // 128
     partial_expected = prompts * generations * per_row
     full_expected = prompts * generations * (per_row * prefix // 128 + per_row * (per_row - 1) // 2)

@@ -51,16 +51,9 @@ def test_each_method_forwards_what_its_record_counts_and_scores_as_dense(model, 
     assert reference[~workload.score_mask].eq(0).all() and reference[workload.score_mask].lt(0).all()
     for method in ("one_level", "tree"):
         logps, tokens = _embedded(model, TREE_METHODS[method], case, False)
-        if method == "tree":
-            assert tokens == counts["tree"]
-        else:
-            # Each distinct prompt part once, though the prompts share a system prompt (deeper sharing off), in the
-            # padded layout: Phase 1 the (B, P - 1) prompts, Phase 2 (B * G, C) rows of [last prompt token,
-            # completion[:-1]]. Unpadded (agentic, forks) that is one token fewer per prompt than the count.
-            (b, p), (n, c) = case.one_level.prompts.shape, case.one_level.completions.shape
-            assert tokens == b * (p - 1) + n * c, (tokens, b, p, n, c)
-            if workload.name != "turns":  # the turns' prompts grow with the turn: padded to the longest
-                assert tokens == counts["one_level"] - b
+        # tree: each trie token once; one_level: each distinct prompt part once, though the prompts share a system
+        # prompt (deeper sharing off), then every completion: the two-level trie's real tokens, packed, no padding.
+        assert tokens == counts[method], (method, tokens, counts)
         torch.testing.assert_close(logps, reference.float(), rtol=0, atol=1e-6)
     assert counts["one_level"] > counts["tree"] or workload.name != "agentic"
 

@@ -159,6 +159,9 @@ class _StubEngine(torch.nn.Module):
     def fp16_enabled(self):
         return self.fp16
 
+    def gradient_accumulation_steps(self):
+        return 1
+
     def is_gradient_accumulation_boundary(self):
         override = self._is_gradient_accumulation_boundary
         return self.boundary if override is None else override
@@ -176,6 +179,8 @@ def stub_deepspeed(monkeypatch):
     import sys
     import types
 
+    # transformers asks whether deepspeed is importable when its model modules are first imported; ask it before.
+    build_model("llama")
     monkeypatch.setitem(sys.modules, "deepspeed", types.SimpleNamespace(DeepSpeedEngine=_StubEngine))
 
 
@@ -191,8 +196,10 @@ def test_deepspeed_engine_backward_passes_accumulate_then_hit_its_boundary(stub_
     model.zero_grad(set_to_none=True)
     engine = _StubEngine(model, boundary=boundary)
     chunked_backward(engine, prompts, comps, loss_fn, **kwargs)
-    # Three chunks (scaled by the accumulation steps, not at the boundary), then the prompt (already scaled).
-    assert engine.calls == [(False, True)] * 3 + [(boundary, False)]
+    # The chunks' losses reach the node calls' leaves only (a plain backward, scaled by the accumulation steps); each
+    # node call's backward goes through the engine off the boundary (three completion calls, then the prompts'),
+    # already scaled, and a one-token forward's zero carries the step's boundary.
+    assert engine.calls == [(False, False)] * 4 + [(boundary, False)]
     assert engine._is_gradient_accumulation_boundary is None
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert max_relative_grad_error(grads, expected) <= 1e-6
@@ -205,15 +212,12 @@ def test_deepspeed_engine_refusals(stub_deepspeed):
     loss_fn = lambda out, rows: out.logps.sum()
     with pytest.raises(NotImplementedError, match="fp16"):
         chunked_backward(_StubEngine(model, fp16=True), prompts, comps, loss_fn, **kwargs)
-    # Only the head trains, so no backward through the prompt follows the chunks; the last chunk (rows 1 and 3) has
-    # no valid token, so its loss is a constant and it has no backward to run at the boundary.
-    for name, param in model.named_parameters():
-        param.requires_grad_(name.startswith("lm_head"))
+    # The last chunk (rows 1 and 3) has no valid token, so its loss is a constant: the step still ends at the
+    # engine's boundary (the one-token forward's zero), and the override is restored.
     engine = _StubEngine(model)
     cmask[[1, 3]] = False
-    with pytest.raises(RuntimeError, match="accumulation boundary"):
-        chunked_backward(engine, prompts, comps, loss_fn, **kwargs)
-    assert engine._is_gradient_accumulation_boundary is None
+    chunked_backward(engine, prompts, comps, lambda out, rows: out.logps[out.mask].sum(), **kwargs)
+    assert engine.calls[-1] == (True, False) and engine._is_gradient_accumulation_boundary is None
     # Parameters a DeepSpeed engine manages, passed without the engine.
     model.lm_head.weight.ds_id = 0
     with pytest.raises(ValueError, match="pass the engine itself"):
@@ -245,3 +249,37 @@ def test_loss_without_grad_is_refused_not_skipped(loss_fn):
             prompt_mask=pmask,
             completion_mask=cmask,
         )
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # untied, tied (one parameter, one buffer)
+def test_head_and_embedding_gradients_are_added_into_one_buffer_each(family, monkeypatch):
+    """Each backward pass adds the head's and the embedding's weight gradient into one float32 buffer per parameter
+    (not a fresh (V, H) gradient per pass); the buffers reach the parameters once, and every gradient is the dense
+    one."""
+    from shared_prefix_logps.distributed.backward_driver import FSDP1Backward
+    from shared_prefix_logps.engine import weight_grads
+    from shared_prefix_logps.model import prepare_model
+
+    delivered = []
+    original = weight_grads.WeightGrads.deliver
+
+    def deliver(self):
+        parameters = model.named_parameters(remove_duplicate=False)
+        delivered.append({name for name, p in parameters for q, _ in self.buffers.values() if p is q})
+        original(self)
+
+    monkeypatch.setattr(weight_grads.WeightGrads, "deliver", deliver)
+    model = build_model(family)
+    prompts, pmask, comps, cmask = make_batch(2, 4, prompt_len=7, completion_len=5)
+    weights = _loss_weights(*comps.shape)[0]
+    kwargs = dict(prompt_mask=pmask, completion_mask=cmask)
+    dense = compute_logps(model, prompts, comps, backend="dense", **kwargs)
+    expected = parameter_grads(model, (dense.logps * weights).sum())
+    model.zero_grad(set_to_none=True)
+    loss_fn = lambda out, rows: (out.logps * weights[rows]).sum()  # noqa: E731
+    chunked_backward(model, prompts, comps, loss_fn, generations_per_chunk=1, **kwargs)
+    assert delivered == [{"model.embed_tokens.weight", "lm_head.weight"}]
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert max_relative_grad_error(grads, expected) <= 1e-5
+    # Sharded or engine-managed parameters take autograd's own way.
+    assert weight_grads.weight_grads(prepare_model(model), FSDP1Backward(model, torch.device("cpu"))) is None

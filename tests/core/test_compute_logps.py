@@ -93,21 +93,23 @@ def test_concatenated_rows_share_identical_prompts_in_any_order():
 
 
 def test_concatenated_shares_each_prompt_once(monkeypatch):
-    import shared_prefix_logps.api as api
+    from shared_prefix_logps.engine import walk
 
     seen = []
-    original = api.capture_prefix
+    original = walk.forward_call
 
-    def recording(prepared, prompt_ids, prompt_mask, **kwargs):
-        seen.append(prompt_ids)
-        return original(prepared, prompt_ids, prompt_mask, **kwargs)
+    def recording(prepared, call, sources, **kwargs):
+        seen.append(call)
+        return original(prepared, call, sources, **kwargs)
 
-    monkeypatch.setattr(api, "capture_prefix", recording)
+    monkeypatch.setattr(walk, "forward_call", recording)
     model = build_model("llama")
     prompts, pmask, comps, cmask = make_batch(3, 4, prompt_len=10, completion_len=6, seed=7)
     group = torch.tensor([2, 0, 1, 0, 2, 1, 1, 0, 2, 0, 1, 2])
     compute_logps_concatenated(model, torch.cat([prompts[group], comps], 1), torch.cat([pmask[group], cmask], 1), 6)
-    assert len(seen) == 1 and seen[0].shape[0] == 3
+    # The prompts' node call, then the completions': each distinct prompt's tokens forwarded once.
+    assert len(seen) == 2 and seen[0].nodes.numel() == 3 and not seen[0].sources
+    assert seen[0].num_tokens == int(pmask.sum()) and seen[1].num_tokens == int(cmask.sum())
 
 
 def test_plain_forward_untouched_after_use():

@@ -286,9 +286,11 @@ def test_flex_scoring_matches_dense(entry, **drawn):
 @settings(max_examples=FLASH_SCORING_EXAMPLES, **COMMON_SETTINGS)
 @given(**drawn_options)
 def test_flash_scoring_matches_dense(entry, **drawn):
+    from support.flash_reference import REFERENCE
+
     from shared_prefix_logps.backends.flash_kernels import substituted
 
-    with substituted():
+    with substituted(REFERENCE):
         _check_scoring(entry, "flash", **drawn)
 
 

@@ -18,46 +18,36 @@ class _RecordingDriver(PlainBackward):
     def __init__(self):
         self.calls = []
 
-    def loss(self, loss, *, last):
-        self.calls.append((float(loss.detach()), last))
+    def loss(self, loss):
+        self.calls.append(float(loss.detach()))
 
 
-def test_chunk_loss_with_grad_goes_to_the_driver_with_its_boundary():
+def test_chunk_loss_with_grad_goes_to_the_driver():
     driver = _RecordingDriver()
     leaf = torch.tensor(2.0, requires_grad=True)
-    ran = backward_chunk_loss(
-        driver, leaf * 3, last=True, chunk_rows=torch.tensor([0]), has_valid=True, logps_need_grad=True
-    )
-    assert ran and driver.calls == [(6.0, True)]
+    ran = backward_chunk_loss(driver, leaf * 3, chunk_rows=torch.tensor([0]), has_valid=True, logps_need_grad=True)
+    assert ran and driver.calls == [6.0]
 
 
 def test_chunk_loss_without_grad_is_skipped_only_without_valid_tokens():
     driver = _RecordingDriver()
     rows = torch.arange(10)
-    ran = backward_chunk_loss(
-        driver, torch.tensor(0.0), last=False, chunk_rows=rows, has_valid=False, logps_need_grad=True
-    )
+    ran = backward_chunk_loss(driver, torch.tensor(0.0), chunk_rows=rows, has_valid=False, logps_need_grad=True)
     assert not ran and driver.calls == []
     with pytest.raises(RuntimeError, match=r"rows \[0, 1, 2, 3, 4, 5, 6, 7, \.\.\.\].*loss_fn detached it"):
-        backward_chunk_loss(
-            driver, torch.tensor(0.0), last=False, chunk_rows=rows, has_valid=True, logps_need_grad=True
-        )
+        backward_chunk_loss(driver, torch.tensor(0.0), chunk_rows=rows, has_valid=True, logps_need_grad=True)
     with pytest.raises(RuntimeError, match="no parameter of the model requires grad"):
-        backward_chunk_loss(
-            driver, torch.tensor(0.0), last=False, chunk_rows=rows, has_valid=True, logps_need_grad=False
-        )
+        backward_chunk_loss(driver, torch.tensor(0.0), chunk_rows=rows, has_valid=True, logps_need_grad=False)
 
 
 @pytest.mark.parametrize("loss", [torch.zeros(2, requires_grad=True), 1.0], ids=["vector", "float"])
 def test_chunk_loss_must_be_a_scalar_tensor(loss):
     with pytest.raises(TypeError, match="loss_fn must return a scalar tensor"):
-        backward_chunk_loss(
-            _RecordingDriver(), loss, last=False, chunk_rows=torch.arange(1), has_valid=True, logps_need_grad=True
-        )
+        backward_chunk_loss(_RecordingDriver(), loss, chunk_rows=torch.arange(1), has_valid=True, logps_need_grad=True)
 
 
 def test_both_chunked_entry_points_refuse_a_detached_loss_alike():
-    """The one-level and the tree chunked backward go through the same per-chunk step: same refusal, same words."""
+    """Both chunked entry points go through the same per-chunk step: same refusal, same words."""
     model = build_model("llama")
     prompts, pmask, comps, cmask = make_batch(2, 2, prompt_len=5, completion_len=3)
     detached = lambda out, rows: out.logps.sum().detach()  # noqa: E731

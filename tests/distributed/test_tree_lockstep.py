@@ -29,9 +29,9 @@ from support.tiny_models import build_model
 from support.trees import pad_alternating
 
 from shared_prefix_logps import chunked_backward_tree, compute_logps_tree
-from shared_prefix_logps.tree.inputs import check_tree_rows
-from shared_prefix_logps.tree.merge import MERGE_BELOW_SAVED_TOKENS, rows_trie
-from shared_prefix_logps.tree.plan import levels
+from shared_prefix_logps.engine.merge import MERGE_BELOW_SAVED_TOKENS, rows_trie
+from shared_prefix_logps.engine.trie import levels
+from shared_prefix_logps.inputs import check_tree_rows
 
 
 def _rows(rank: int, scenario: str):

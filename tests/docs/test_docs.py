@@ -126,7 +126,7 @@ def _named_paths(page: Path) -> tuple[set[str], set[str]]:
 
 
 def _exists(name: str, *, folder: bool) -> bool:
-    """A path named by the docs: from the repository root or from the package (``tree/grouped.py``); a bare file
+    """A path named by the docs: from the repository root or from the package (``engine/sharing.py``); a bare file
     name anywhere in the package or the repository's top folders."""
     bases = [ROOT, ROOT / "shared_prefix_logps"]
     if any((base / name).is_dir() if folder else (base / name).is_file() for base in bases):
@@ -147,12 +147,12 @@ def test_named_files_exist(page):
 def test_path_check_can_fail(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(
-        "See `shared_prefix_logps/no_such_module.py`, `tree/grouped.py`, a `config.json` and `tests/nowhere/`.\n"
+        "See `shared_prefix_logps/no_such_module.py`, `engine/sharing.py`, a `config.json` and `tests/nowhere/`.\n"
     )
     files, folders = _named_paths(page)
-    assert files == {"shared_prefix_logps/no_such_module.py", "tree/grouped.py"} and folders == {"tests/nowhere/"}
+    assert files == {"shared_prefix_logps/no_such_module.py", "engine/sharing.py"} and folders == {"tests/nowhere/"}
     assert not _exists("shared_prefix_logps/no_such_module.py", folder=False)
-    assert _exists("tree/grouped.py", folder=False) and not _exists("tests/nowhere/", folder=True)
+    assert _exists("engine/sharing.py", folder=False) and not _exists("tests/nowhere/", folder=True)
 
 
 def test_readme_is_short():

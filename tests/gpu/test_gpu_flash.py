@@ -11,11 +11,12 @@ import copy
 
 import pytest
 import torch
+from support import flash_reference
 from support.exactness import max_relative_grad_error, parameter_grads, weighted_loss
 from support.tiny_models import build_model, make_batch
 
 from shared_prefix_logps import compute_logps
-from shared_prefix_logps.backends import flash, flash_kernels, flash_reference
+from shared_prefix_logps.backends import flash, flash_kernels
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,11 +12,13 @@ import pytest
 import torch
 from support.block_sparse import block_sets
 from support.exactness import max_relative_grad_error, parameter_grads, weighted_loss
-from support.flex_batches import random_packed_batch, regular_packed_batch
 from support.tiny_models import build_model, make_batch
+from support.trees import planned_node_calls, random_tree_rows
 
 from shared_prefix_logps import compute_logps
 from shared_prefix_logps.backends import flex
+from shared_prefix_logps.engine.node_calls import CallPlanner, ScoredPairs
+from shared_prefix_logps.engine.trie import grouped_trie, levels
 
 pytestmark = [
     pytest.mark.gpu,
@@ -37,14 +39,16 @@ def real_triton(monkeypatch):
 def test_structure_masks_equal_create_block_mask_on_cuda(seed):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    context, num_prefix = random_packed_batch(seed, device=CUDA)
-    n = context.query_rows.numel()
-    q_len, kv_len = flex._round_up(n, CUDA), flex._round_up(n + num_prefix, CUDA)
-    for window in (None, 7, 200):
-        ours = flex._shared_block_mask(context, n, num_prefix, q_len, kv_len, window, CUDA, q_blocks=True)
-        theirs = create_block_mask(ours.mask_mod, None, None, q_len, kv_len, device="cuda")
-        mine, reference = block_sets(ours), block_sets(theirs)
-        assert all(torch.equal(mine[name], reference[name]) for name in mine), (seed, window)
+    _, calls = planned_node_calls(random_tree_rows(seed, depth=4, branching=3, max_segment=70), rows_per_chunk=3)
+    for call in calls:
+        call = call.to(CUDA)
+        n, keys = call.num_tokens, call.store_node.numel() + call.num_tokens
+        q_len, kv_len = flex.padded_length(n, CUDA), flex.padded_length(keys, CUDA)
+        for window in (None, 7, 200):
+            ours = flex.node_block_mask(call, window, q_len, kv_len, q_blocks=True)
+            theirs = create_block_mask(ours.mask_mod, None, None, q_len, kv_len, device="cuda")
+            mine, reference = block_sets(ours), block_sets(theirs)
+            assert all(torch.equal(mine[name], reference[name]) for name in mine), (seed, window)
 
 
 @pytest.mark.parametrize("mode", ["score", "train"])
@@ -69,8 +73,18 @@ def test_flex_exact_when_the_kernel_reads_the_block_lists(family, mode):
 
 
 def test_a_million_query_mask_builds_in_seconds_on_cuda(monkeypatch):
-    context = regular_packed_batch(8, 4096, 16, 8192, device=CUDA)
-    n = context.query_rows.numel()
+    prompts, prefix, generations, completion = 8, 4096, 16, 8192
+    rows = prompts * generations
+    trie = grouped_trie(
+        torch.zeros(prompts, prefix, dtype=torch.long),
+        torch.ones(prompts, prefix, dtype=torch.bool),
+        torch.zeros(rows, completion, dtype=torch.long),
+        torch.ones(rows, completion, dtype=torch.bool),
+        torch.arange(prompts).repeat_interleave(generations),
+    )
+    planner = CallPlanner(trie, ScoredPairs(*(torch.zeros(0, dtype=torch.long),) * 3), "flex")
+    prompts_call, call = (planner.plan(nodes).to(CUDA) for nodes in levels(trie))
+    n = call.num_tokens
     built = {}
 
     def probe(query, key, value, block_mask, *args, **kwargs):
@@ -79,12 +93,15 @@ def test_a_million_query_mask_builds_in_seconds_on_cuda(monkeypatch):
 
     monkeypatch.setattr(flex, "_attend", probe)
     query = torch.zeros(1, 1, n, 1, device=CUDA)
+    store = torch.zeros(1, prompts_call.num_tokens, 1, device=CUDA)
     torch.cuda.synchronize()
     start = time.perf_counter()
     with torch.no_grad():
-        flex.packed_shared_attention(object(), query, query, query, context, None, {})
+        flex.node_attention(query, query, query, call, [(store, store)], {}, None, {}, needs_grad=False)
     torch.cuda.synchronize()
     assert time.perf_counter() - start <= 10
-    per_row = 8192 // 128
-    assert int(built["mask"].kv_num_blocks.sum()) == 8 * 16 * per_row
-    assert int(built["mask"].full_kv_num_blocks.sum()) == 8 * 16 * (per_row * 32 + per_row * (per_row - 1) // 2)
+    per_row = completion // 128
+    assert int(built["mask"].kv_num_blocks.sum()) == rows * per_row
+    assert int(built["mask"].full_kv_num_blocks.sum()) == rows * (
+        per_row * prefix // 128 + per_row * (per_row - 1) // 2
+    )

@@ -293,6 +293,35 @@ def test_chunking_does_not_change_results(implementation):
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_kept_logits_and_a_weight_gradient_buffer_change_no_result(implementation, softcap):
+    """Logits kept from forward (no recomputation in backward) give the recomputed path's numbers; a weight gradient
+    added into the caller's buffer, over two backward passes, is the sum autograd gives, and autograd gets none."""
+    hidden, weight, bias, targets = make_inputs(37, 257, 16, seed=47)
+    outs = []
+    for keep in (0, 10**9):
+        fn = lambda hd, w, b, k=keep: linear_logps(  # noqa: E731
+            hd, w, targets, bias=b, softcap=softcap, return_entropy=True, chunk_size=7, keep_logits_bytes=k,
+            implementation=implementation,
+        )  # fmt: skip
+        outs.append(run(fn, hidden, weight, bias, targets, torch.float32))
+    errs = errors(outs[1], outs[0])
+    assert max(errs.values()) < 1e-6, errs
+    w = weight.clone().requires_grad_()
+    expected = torch.zeros_like(weight)
+    buffer = torch.zeros(weight.shape, dtype=torch.float32)
+    for scale in (1.0, -0.5):
+        hd = hidden.clone().requires_grad_()
+        (scale * linear_logps(hd, w, targets, implementation=implementation)).sum().backward()
+        expected += w.grad
+        w.grad = None
+        out = linear_logps(hd, w, targets, implementation=implementation, weight_grad=buffer)
+        (scale * out).sum().backward()
+        assert w.grad is None and hd.grad is not None
+    assert (buffer - expected).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 def test_leading_dims_and_partial_requires_grad(implementation):
     hidden, weight, _, targets = make_inputs(12, 257, 16, seed=43, bias=False)
     hidden3, targets3 = hidden.view(3, 4, 16), targets.view(3, 4)

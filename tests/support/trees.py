@@ -60,13 +60,13 @@ def pad_rows(rows: list[list[int]], seed: int, *, hole_rate: float = 0.3, extra:
     return ids, mask, score
 
 
-def planned_node_calls(rows: list[list[int]], *, rows_per_chunk: int):
-    """(trie, calls): the node calls the depth-first walk plans for ``rows`` (each a token-id list, every position
-    scored) taken ``rows_per_chunk`` at a time, in planning order. Later chunks' calls attend over several earlier
-    calls, so their ancestor stores hold nodes out of depth-first order."""
-    from shared_prefix_logps.tree.inputs import TreeRows
-    from shared_prefix_logps.tree.plan import CallPlanner, scored_pairs
-    from shared_prefix_logps.tree.trie import build_trie
+def planned_node_calls(rows: list[list[int]], *, rows_per_chunk: int, layout: str = "expand"):
+    """(trie, calls): the node calls the walk plans for ``rows`` (each a token-id list, every position scored) taken
+    ``rows_per_chunk`` at a time in depth-first order, in planning order, with ``layout``'s fields. Later chunks'
+    calls attend over several earlier calls, so their ancestor stores hold nodes out of depth-first order."""
+    from shared_prefix_logps.engine.node_calls import CallPlanner
+    from shared_prefix_logps.engine.plan import rows_plan
+    from shared_prefix_logps.inputs import TreeRows
 
     width = max(len(row) for row in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -76,15 +76,13 @@ def planned_node_calls(rows: list[list[int]], *, rows_per_chunk: int):
     real = torch.arange(width)[None, :] < lengths[:, None]
     score = real.clone()
     score[:, 0] = False
-    tree_rows = TreeRows(ids, real, score, torch.zeros(len(rows), dtype=torch.long), lengths)
-    trie = build_trie(tree_rows.justified(), lengths)
-    planner = CallPlanner(trie, scored_pairs(trie, tree_rows))
-    order = torch.argsort(trie.row_end, stable=True).tolist()
+    plan = rows_plan(TreeRows(ids, real, score, torch.zeros(len(rows), dtype=torch.long), lengths), merge_below=0)
+    trie = plan.trie
+    planner = CallPlanner(trie, plan.pairs, layout)
     planned: set[int] = set()
     calls = []
-    for start in range(0, len(order), rows_per_chunk):
-        chunk = order[start : start + rows_per_chunk]
-        new = sorted({node for row in chunk for node in trie.path(row)} - planned)
+    for chunk in plan.in_chunks_of(rows_per_chunk).chunks:
+        new = sorted({node for row in chunk.tolist() for node in trie.path(row)} - planned)
         for depth in sorted({int(trie.depth[node]) for node in new}):
             calls.append(planner.plan([node for node in new if int(trie.depth[node]) == depth]))
         planned.update(new)
@@ -126,18 +124,21 @@ def star_batch(leaves: int, seed: int = 0):
 
 
 def spy_tree_calls(monkeypatch) -> list[int]:
-    """A list that grows by the number of rows of every call the tree pass serves for the one-level entry points
-    (``api.score_grouped_as_tree``, as ``compute_logps``/``compute_logps_concatenated`` call it)."""
-    from shared_prefix_logps import api
+    """A list that grows by the number of rows of every grouped call (``compute_logps``,
+    ``compute_logps_concatenated``, ``chunked_backward``) whose plan takes the trie searched from its rows (deeper
+    sharing) instead of the two-level one."""
+    from shared_prefix_logps import api, training
 
     calls = []
-    original = api.score_grouped_as_tree
+    original = api.grouped_plan
 
-    def spy(prepared, batch, *args, **options):
-        calls.append(int(batch.completion_ids.shape[0]))
-        return original(prepared, batch, *args, **options)
+    def spy(batch, *, deeper, merge_below):
+        if deeper:
+            calls.append(int(batch.completion_ids.shape[0]))
+        return original(batch, deeper=deeper, merge_below=merge_below)
 
-    monkeypatch.setattr(api, "score_grouped_as_tree", spy)
+    monkeypatch.setattr(api, "grouped_plan", spy)
+    monkeypatch.setattr(training, "grouped_plan", spy)
     return calls
 
 

@@ -102,7 +102,7 @@ def test_peak_memory_is_flat_in_leaves():
     [
         (dict(rows_per_chunk=0), ValueError, "rows_per_chunk must be at least 1"),
         (dict(rows_per_chunk=1.5), TypeError, "rows_per_chunk must be an int"),
-        (dict(backend="dense"), ValueError, "backend 'auto', 'expand' or 'flex'"),
+        (dict(backend="dense"), ValueError, "backend='dense' cannot"),
         (dict(loss_fn=3), TypeError, "loss_fn must be callable"),
         (dict(loss_fn=lambda out, rows: out.logps), TypeError, "loss_fn must return a scalar"),
     ],

@@ -7,8 +7,8 @@ from support.tiny_models import build_model
 from support.trees import pad_rows, random_tree_rows
 
 from shared_prefix_logps import compute_logps_tree
-from shared_prefix_logps.tree.merge import MERGE_BELOW_SAVED_TOKENS, merge_tiny_nodes
-from shared_prefix_logps.tree.trie import build_trie
+from shared_prefix_logps.engine.merge import MERGE_BELOW_SAVED_TOKENS, merge_tiny_nodes
+from shared_prefix_logps.engine.trie import build_trie
 
 TREE_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "qwen3_moe")
 SHAPES = [(1, 8), (2, 8), (3, 3), (5, 2)]

@@ -4,15 +4,16 @@ import pytest
 import torch
 from support.exactness import max_relative_grad_error, parameter_grads, weighted_loss
 from support.tiny_models import build_model
+from support.trees import spy_tree_calls
 
-from shared_prefix_logps import api, compute_logps, compute_logps_concatenated
+from shared_prefix_logps import compute_logps, compute_logps_concatenated
+from shared_prefix_logps.engine import merge, sharing
 from shared_prefix_logps.inputs import split_concatenated
 from shared_prefix_logps.model import prepare_model
-from shared_prefix_logps.tree import grouped, merge
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-SYSTEM_LEN = 70  # above grouped.DEEPER_SHARING_MIN_TOKENS once two prompts share it
+SYSTEM_LEN = 70  # above sharing.DEEPER_SHARING_MIN_TOKENS once two prompts share it
 
 
 def _trainer_rows(num_prompts=3, generations=3, system_len=SYSTEM_LEN, seed=0):
@@ -53,7 +54,7 @@ def _embedded_tokens(model, fn):
 def test_shared_system_prompt_matches_dense_and_embeds_fewer_tokens(family, monkeypatch):
     model = build_model(family)
     ids, mask, keep = _trainer_rows()
-    assert grouped.deeper_sharing_pays(split_concatenated(ids, mask, keep, model=prepare_model(model)))
+    assert sharing.deeper_sharing_pays(split_concatenated(ids, mask, keep, model=prepare_model(model)))
     tree = compute_logps_concatenated(model, ids, mask, keep, return_entropy=True)
     dense = compute_logps_concatenated(model, ids, mask, keep, return_entropy=True, backend="dense")
     assert torch.equal(tree.mask, dense.mask)
@@ -67,7 +68,7 @@ def test_shared_system_prompt_matches_dense_and_embeds_fewer_tokens(family, monk
     deeper = _embedded_tokens(model, lambda: compute_logps_concatenated(model, ids, mask, keep))
     monkeypatch.setattr(merge, "MERGE_BELOW_SAVED_TOKENS", 0)
     unmerged = _embedded_tokens(model, lambda: compute_logps_concatenated(model, ids, mask, keep))
-    monkeypatch.setattr(grouped, "DEEPER_SHARING_MIN_TOKENS", 10**9)  # one-level sharing, as before
+    monkeypatch.setattr(sharing, "DEEPER_SHARING_MIN_TOKENS", 10**9)  # one-level sharing, as before
     one_level = _embedded_tokens(model, lambda: compute_logps_concatenated(model, ids, mask, keep))
     # The system prompt is embedded once instead of once per prompt.
     assert unmerged <= one_level - 2 * (SYSTEM_LEN - 1), (unmerged, one_level)
@@ -96,13 +97,11 @@ def test_compute_logps_shares_the_system_prompt_too():
 def test_prompts_that_share_little_take_the_one_level_path(monkeypatch):
     model = build_model("llama")
     ids, mask, keep = _trainer_rows(system_len=0)
-    assert grouped.prompt_tokens_saved(split_concatenated(ids, mask, keep, model=prepare_model(model))) == 0
+    assert sharing.prompt_tokens_saved(split_concatenated(ids, mask, keep, model=prepare_model(model))) == 0
 
-    def refuse(*args, **kwargs):
-        raise AssertionError("the tree pass ran where the trie adds nothing")
-
-    monkeypatch.setattr(api, "score_grouped_as_tree", refuse)
+    deeper = spy_tree_calls(monkeypatch)
     out = compute_logps_concatenated(model, ids, mask, keep)
+    assert deeper == []  # the two-level trie
     dense = compute_logps_concatenated(model, ids, mask, keep, backend="dense")
     assert (out.logps - dense.logps).abs().max().item() < 1e-5
 
@@ -115,26 +114,33 @@ def test_tokens_saved_counts_the_shared_prompt_prefix():
 
     batch = group_batch(prompts, torch.ones(3, 2, dtype=torch.long), prompt_mask, None, model=prepare_model(model))
     # [1 2 3 4] and [5 1 2 3 9] share nothing at the start (5 vs 1); [7 8 6] neither: nothing saved.
-    assert grouped.prompt_tokens_saved(batch) == 0
+    assert sharing.prompt_tokens_saved(batch) == 0
     prompts[1] = torch.tensor([1, 2, 3, 5, 9])
     batch = group_batch(prompts, torch.ones(3, 2, dtype=torch.long), prompt_mask, None, model=prepare_model(model))
-    assert grouped.prompt_tokens_saved(batch) == 3  # [1 2 3] once for two prompts
+    assert sharing.prompt_tokens_saved(batch) == 3  # [1 2 3] once for two prompts
 
 
-def test_with_gradients_and_several_processes_the_one_level_path_runs(monkeypatch):
-    """Under a trainer plug-in with several processes a call with gradients must make the same two forwards on every
-    process (FSDP matches collectives by order); the tree pass makes one per trie depth, so it is kept to no-grad
-    calls there (which the plug-ins' lockstep joins)."""
+def test_with_gradients_and_several_processes_without_agreement_the_two_level_trie_serves(monkeypatch):
+    """A call with gradients whose processes agree on nothing themselves (a trainer plug-in keeps them in step, or
+    lockstep=False) must make the same two forwards on every process (FSDP matches collectives by order): the
+    two-level trie does, a deeper one makes one per trie depth. With the call's own agreement (lockstep), or without
+    gradients (joined), the deeper trie may serve."""
     import torch.distributed as dist
+
+    from shared_prefix_logps.api import two_forwards_only
 
     model = build_model("llama")
     ids, mask, keep = _trainer_rows()
     batch = split_concatenated(ids, mask, keep, model=prepare_model(model))
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
-    assert not grouped.deeper_sharing_pays(batch)
+    assert two_forwards_only(None) and not two_forwards_only(object())
+    assert not sharing.deeper_sharing_pays(batch, two_forwards=two_forwards_only(None))
     with torch.no_grad():
-        assert grouped.deeper_sharing_pays(batch)
+        assert not two_forwards_only(None)
+    deeper = spy_tree_calls(monkeypatch)
+    compute_logps_concatenated(model, ids, mask, keep, lockstep=False)
+    assert deeper == []
 
 
 def test_a_small_share_of_the_tokens_takes_the_one_level_path():
@@ -149,5 +155,5 @@ def test_a_small_share_of_the_tokens_takes_the_one_level_path():
         100,
         model=prepare_model(model),
     )
-    assert grouped.prompt_tokens_saved(batch) == 2 * SYSTEM_LEN
-    assert not grouped.deeper_sharing_pays(batch)
+    assert sharing.prompt_tokens_saved(batch) == 2 * SYSTEM_LEN
+    assert not sharing.deeper_sharing_pays(batch)

@@ -9,8 +9,8 @@ from support.trees import pad_rows, random_tree_rows
 
 from shared_prefix_logps import chunked_backward_tree, compute_logps_tree
 from shared_prefix_logps.bench.node_cost import fork_rows
-from shared_prefix_logps.tree.merge import MERGE_BELOW_SAVED_TOKENS, merge_decisions, merge_tiny_nodes
-from shared_prefix_logps.tree.trie import build_trie
+from shared_prefix_logps.engine.merge import MERGE_BELOW_SAVED_TOKENS, merge_decisions, merge_tiny_nodes
+from shared_prefix_logps.engine.trie import build_trie
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -56,7 +56,7 @@ def _check_merged(merged, rows):
     tokens = _node_tokens(merged)
     for i, row in enumerate(rows):
         assert [t for n in merged.path(i) for t in tokens[n]] == row
-        assert merged.tokens[merged.row_tokens[i, : len(row)]].tolist() == row
+        assert merged.tokens[merged.row_token_indices(i)].tolist() == row
 
 
 def test_hand_built_trie_merges_exactly_the_tiny_nodes():

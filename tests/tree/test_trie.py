@@ -4,7 +4,7 @@ import pytest
 import torch
 from support.trees import random_tree_rows
 
-from shared_prefix_logps.tree.trie import build_trie
+from shared_prefix_logps.engine.trie import build_trie, grouped_trie
 
 
 def _justify(rows):
@@ -44,11 +44,11 @@ def _check_invariants(trie, rows):
         assert len(firsts) == len(set(firsts)), "siblings must start with different tokens"
         # Maximal: a node that no row ends at and that has one child would merge with it.
         assert node in ends or len(children[node]) != 1
-    # Each row is its path's tokens; row_tokens index those tokens.
+    # Each row is its path's tokens; token_at finds them.
     for i, row in enumerate(rows):
         path_tokens = [t for node in trie.path(i) for t in _node_tokens(trie, node)]
         assert path_tokens == row
-        assert trie.tokens[trie.row_tokens[i, : len(row)]].tolist() == row
+        assert trie.tokens[trie.row_token_indices(i)].tolist() == row
     # Each trie token is one distinct prefix of the rows: nothing is stored twice, nothing is missing.
     prefixes = {tuple(row[: j + 1]) for row in rows for j in range(len(row))}
     assert trie.num_tokens == len(prefixes)
@@ -81,3 +81,42 @@ def test_rows_that_share_nothing_form_a_forest():
     trie = build_trie(*_justify(rows))
     assert (trie.parent < 0).sum() == 2
     _check_invariants(trie, rows)
+
+
+def test_grouped_trie_has_a_node_per_prompt_and_one_per_completion():
+    """A grouped batch's trie, built without a search: each prompt a top-level node (duplicates too), below it one node
+    per completion with a token (siblings that start alike, and identical completions, are not merged); an empty
+    completion's row ends at its prompt. Rows keep their order, whatever the order of their prompts."""
+    prompts = [[4, 5, 6], [9], [4, 5, 6]]
+    completions = [[1, 2], [], [1, 2], [7], [1], [3, 3, 3]]
+    group_index = torch.tensor([2, 0, 0, 1, 2, 0])
+    prompt_ids = torch.zeros(3, 3, dtype=torch.long)
+    prompt_mask = torch.zeros(3, 3, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        prompt_ids[i, 3 - len(p) :] = torch.tensor(p)
+        prompt_mask[i, 3 - len(p) :] = True
+    completion_ids = torch.zeros(6, 3, dtype=torch.long)
+    completion_mask = torch.zeros(6, 3, dtype=torch.bool)
+    for i, c in enumerate(completions):
+        completion_ids[i, : len(c)] = torch.tensor(c, dtype=torch.long)
+        completion_mask[i, : len(c)] = True
+    trie = grouped_trie(prompt_ids, prompt_mask, completion_ids, completion_mask, group_index)
+    assert [_node_tokens(trie, n) for n in range(trie.num_nodes)] == [
+        [4, 5, 6],
+        [1, 2],
+        [3, 3, 3],
+        [9],
+        [7],
+        [4, 5, 6],
+        [1, 2],
+        [1],
+    ]
+    assert trie.parent.tolist() == [-1, 0, 0, -1, 3, -1, 5, 5]
+    assert trie.depth.tolist() == [1, 2, 2, 1, 2, 1, 2, 2]
+    assert trie.row_end.tolist() == [6, 0, 1, 4, 7, 2]
+    assert trie.subtree_end.tolist() == [3, 2, 3, 5, 5, 8, 7, 8]
+    for row, completion in enumerate(completions):
+        expected = prompts[int(group_index[row])] + completion
+        assert [t for node in trie.path(row) for t in _node_tokens(trie, node)] == expected
+        assert trie.tokens[trie.row_token_indices(row)].tolist() == expected
+        assert trie.token_at(torch.tensor(row), torch.tensor(len(expected)))[1] == -1

@@ -40,9 +40,9 @@ import contextlib
 import torch
 
 from ...api import compute_logps_concatenated
-from ...chunked import chunked_backward
 from ...moe_router import RouterStats
 from ...output import result_zeros
+from ...training import chunked_backward
 from ..common.ddp import average_gradients, unwrap_ddp
 from ..common.modules import AutocastForward, dropout_active
 from ..common.patching import instance_attribute

@@ -294,10 +294,12 @@ def test_fp32_lm_head_under_bf16_autocast(tmp_path, monkeypatch):
     monkeypatch.setattr(head, "linear_logps", spy)
     with torch.no_grad():
         ours = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, keep)[0]
-        assert seen == [(torch.float32, torch.float32, False)]
+        # The head runs in each node call (the prompts' last tokens predict the completions' first): float32, off
+        # autocast, in both.
+        assert seen == [(torch.float32, torch.float32, False)] * 2
         fp32_head.remove_fp32_head(patch.fp32_heads[0])  # what the head would do without the shim
         trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, keep)
-        assert seen[1][2] is True  # under autocast: a bfloat16 matmul
+        assert seen[2][2] is True  # under autocast: a bfloat16 matmul
     assert patch.stats.self_checks[0].passed
     valid = attention_mask[:, -keep:] != 0
     assert float((ours - expected).abs()[valid].mean()) <= 0.02  # bf16 body rounding only
@@ -404,8 +406,8 @@ def test_example_script_runs(monkeypatch, capsys):
 
 def test_chunked_mode_forwards_a_few_generations_at_a_time(tmp_path):
     """With G = 8 completions of one prompt per micro-batch and 2 generations per chunk, every forward with
-    gradient holds at most 2 rows (the prompt once, then 4 chunks of 2): activations do not grow with G. (A
-    one-token prompt has no prefix to forward.)"""
+    gradient holds at most 2 rows' tokens (the prompt's node call once, then 4 chunks of 2 completions, each call's
+    tokens packed): activations do not grow with G."""
     trainer = make_trainer(tmp_path, num_generations=8, per_device_train_batch_size=8, max_steps=2)
     patch = patch_grpo_trainer(trainer, mode="chunked", generations_per_chunk=2)
     shapes = []
@@ -420,9 +422,9 @@ def test_chunked_mode_forwards_a_few_generations_at_a_time(tmp_path):
     finally:
         handle.remove()
     assert patch.stats.chunked_steps == 2
-    prompts = [s for s in shapes if s[0] == 1]
-    chunks = [s for s in shapes if s[0] != 1]
-    assert len(prompts) <= 2 and len(chunks) == 2 * 4 and all(rows == 2 for rows, _ in chunks), shapes
+    assert len(shapes) == 2 * (1 + 4) and all(rows == 1 for rows, _ in shapes), shapes  # packed node calls
+    chunks = [tokens for i, (_, tokens) in enumerate(shapes) if i % 5]  # after each step's prompts' call
+    assert all(tokens <= 2 * trainer.args.max_completion_length for tokens in chunks), shapes
 
 
 @pytest.mark.parametrize("truncated_step", [1, 2])

@@ -15,8 +15,8 @@ if version("trl").startswith("1.15.") and not torch.cuda.is_available() and os.e
 
 from support.trl_tiny import make_trainer  # noqa: E402
 
+from shared_prefix_logps.engine import merge, sharing  # noqa: E402
 from shared_prefix_logps.integrations.trl import patch_grpo_trainer  # noqa: E402
-from shared_prefix_logps.tree import grouped, merge  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -81,6 +81,6 @@ def test_shared_system_prompt_embeds_fewer_tokens_with_the_unpatched_numbers(tmp
         b = torch.zeros_like(a) if b is None else b
         assert (a - b).norm() <= 1e-4 * max(b.norm(), 1e-6)
 
-    monkeypatch.setattr(grouped, "DEEPER_SHARING_MIN_TOKENS", 10**9)  # one-level sharing, as before
+    monkeypatch.setattr(sharing, "DEEPER_SHARING_MIN_TOKENS", 10**9)  # one-level sharing, as before
     _, one_level = _embedded(trainer.model, patched)
     assert deeper <= one_level - 2 * (SYSTEM_LEN - 1), (deeper, one_level)

@@ -95,7 +95,7 @@ def response(nested, td):
 def test_infer_batch_shares_the_system_prompt(engines, tree_calls, monkeypatch, remove_padding):
     """Old-policy log-probs and entropy: the tree pass serves both micro-batches, embeds fewer tokens than one-level
     sharing can (and than it does, by the repeated system prompts), and returns the unpatched engine's numbers."""
-    from shared_prefix_logps.tree import grouped
+    from shared_prefix_logps.engine import sharing as grouped
 
     patched, unpatched = engines
     td = system_batch(patched, seed=1, use_remove_padding=remove_padding)
@@ -200,8 +200,8 @@ def _fsdp_worker(rank, port, path, results):
     vs.use_cpu_platform()
     torch.distributed.init_process_group("gloo")
     from shared_prefix_logps import api
+    from shared_prefix_logps.engine import merge
     from shared_prefix_logps.integrations.verl import get_patch, unpatch_verl_engine
-    from shared_prefix_logps.tree import merge
 
     # Process 0's trie keeps its 3-5-token prompt nodes (the tiny-node rule would merge them into the responses and
     # leave two depths, as many forwards as process 1's two phases): the processes' forward counts must differ here.

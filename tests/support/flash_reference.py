@@ -1,7 +1,7 @@
 """A pure-torch implementation of flash-attn's varlen kernels: the same interface and the same conventions.
 
-It is what the ``flash`` backend runs when no flash-attn is installed and the tests substitute it
-(:func:`~shared_prefix_logps.backends.flash_kernels.substituted`), and what the GPU tests compare the real kernels
+It is what the ``flash`` layout runs when no flash-attn is installed and the tests substitute it (:data:`REFERENCE`
+under :func:`~shared_prefix_logps.backends.flash_kernels.substituted`), and what the GPU tests compare the real kernels
 with. Every convention of flash-attn 2.x's ``_flash_attn_varlen_forward``/``_flash_attn_varlen_backward`` that the
 ``flash`` backend relies on is reproduced:
 
@@ -16,7 +16,7 @@ with. Every convention of flash-attn 2.x's ``_flash_attn_varlen_forward``/``_fla
 - the backward takes the output and the log-sum-exp, not the probabilities: ``P = exp(S - lse)``,
   ``dS = P * (dO V^T - rowsum(dO * O))``. Given the output and log-sum-exp of a larger softmax (the merge of several
   parts), it returns the gradients of that larger softmax restricted to the part's keys: the identity the cascade
-  in ``flash`` rests on.
+  in ``backends/flash`` rests on.
 
 Scores are computed in float32 (float64 for float64 inputs, whose log-sum-exp is then float64 too, so float64 checks
 are not limited by it). Sequences are processed one at a time: this is a reference, not a fast path.
@@ -25,6 +25,8 @@ are not limited by it). Sequences are processed one at a time: this is a referen
 from __future__ import annotations
 
 import torch
+
+from shared_prefix_logps.backends.flash_kernels import VarlenKernels
 
 
 def _accumulator(dtype: torch.dtype) -> torch.dtype:
@@ -132,3 +134,7 @@ def varlen_backward(
         dk[k0:k1] = dk_rep.unflatten(1, (kv_heads, group)).sum(2)
         dv[k0:k1] = dv_rep.unflatten(1, (kv_heads, group)).sum(2)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+#: The reference as the kernels the ``flash`` layout calls (any dtype, any head dimension).
+REFERENCE = VarlenKernels("the pure-torch reference", varlen_forward, varlen_backward, None, None)

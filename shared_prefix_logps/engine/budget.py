@@ -1,0 +1,97 @@
+"""The token budget of no-grad calls: the most a chunk of rows may forward at once.
+
+A token of budget is one forwarded token, and also the bytes of one hidden state (``hidden_size`` elements of the
+model's dtype): memory a node call takes beyond its tokens' activations counts as that many bytes' worth of tokens.
+With the ``expand`` layout those are the terms of :mod:`~shared_prefix_logps.backends.expand_memory` (the additive
+masks, each node's gathered ancestor keys/values, KV heads repeated for a kernel without grouped-query support,
+explicit attention scores), which grow with a node's ancestors and, for the masks and scores, with their product
+with its own length; counting its tokens alone would let them outgrow any budget. The packed ``flex`` and ``flash``
+layouts copy nothing per node. A chunk of rows counts the node calls it makes: the nodes it forwards that no earlier
+chunk did (nodes an earlier chunk forwarded stay alive for the rows that still need them), each call's nodes padded
+to the call's largest as the ``expand`` layout allocates them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..backends.expand import on_fused_path
+from ..backends.expand_memory import AttentionShape, node_bytes
+from .trie import PrefixTrie
+
+#: Default most tokens forwarded at once when scoring without gradients.
+DEFAULT_TOKEN_BUDGET = 32768
+
+
+@dataclass(frozen=True)
+class NodeCosts:
+    """What a node counts against the budget, in tokens.
+
+    Attributes:
+        shape: the model's attention shape, or None for the packed layouts (tokens only).
+        repeats_kv: whether the memory terms include repeated KV heads (the fused-kernel path with grouped heads,
+            counted whether or not the kernel chosen later takes the heads natively: an upper bound).
+    """
+
+    shape: AttentionShape | None
+    repeats_kv: bool = False
+
+    @classmethod
+    def of(cls, causal_lm: torch.nn.Module, device: torch.device, layout: str) -> NodeCosts:
+        """The costs of ``causal_lm``'s nodes on ``device`` with ``layout``."""
+        if layout != "expand":
+            return cls(None)
+        shape = AttentionShape.of_model(causal_lm)
+        return cls(shape, repeats_kv=on_fused_path(device) and shape.kv_heads != shape.heads)
+
+    def node_tokens(self, ancestors: int, length: int) -> int:
+        """What a node with ``ancestors`` ancestor tokens and ``length`` of its own counts: its tokens plus, with the
+        padded ``expand`` layout, its memory terms in tokens."""
+        if self.shape is None:
+            return length
+        # A node without ancestors and window runs causal SDPA without a mask; the mask is counted otherwise.
+        masked = ancestors > 0 or self.shape.windowed(length)
+        extra = node_bytes(self.shape, ancestors, length, masked=masked, repeats_kv=self.repeats_kv)
+        return length + -(-extra // (self.shape.hidden_size * self.shape.itemsize))
+
+    def calls_tokens(self, calls: dict) -> int:
+        """What the node calls of a chunk count: ``calls`` maps each depth to (nodes, most ancestor tokens, longest
+        node, tokens) of its new nodes. The padded layout allocates every node of a call at the call's largest
+        ancestors and length; the packed ones forward the tokens alone."""
+        if self.shape is None:
+            return sum(tokens for _, _, _, tokens in calls.values())
+        return sum(count * self.node_tokens(ancestors, length) for count, ancestors, length, _ in calls.values())
+
+
+def budgeted_chunks(trie: PrefixTrie, order: torch.Tensor, budget: int, costs: NodeCosts) -> list[torch.Tensor]:
+    """Rows in ``order`` cut into chunks whose new nodes' calls fit ``budget`` (:meth:`NodeCosts.calls_tokens`; at
+    least one row per chunk)."""
+    depth, start, length = trie.depth.tolist(), trie.node_start.tolist(), trie.node_length.tolist()
+
+    def grown(calls: dict, nodes: list[int]) -> dict:
+        calls = dict(calls)
+        for node in nodes:
+            count, ancestors, longest, tokens = calls.get(depth[node], (0, 0, 0, 0))
+            calls[depth[node]] = (
+                count + 1,
+                max(ancestors, start[node]),
+                max(longest, length[node]),
+                tokens + length[node],
+            )
+        return calls
+
+    chunks, current, seen, calls = [], [], set(), {}
+    for row, path in zip(order.tolist(), trie.row_path[order].tolist()):
+        new = [node for node in path if node >= 0 and node not in seen]
+        with_row = grown(calls, new)
+        if current and costs.calls_tokens(with_row) > budget:
+            chunks.append(torch.tensor(current, dtype=torch.long))
+            current, with_row = [], grown({}, new)
+        current.append(row)
+        seen.update(new)
+        calls = with_row
+    if current:
+        chunks.append(torch.tensor(current, dtype=torch.long))
+    return chunks

@@ -1,0 +1,97 @@
+"""One forward of the model over a node call, through the caller's outermost module (DDP, FSDP, ZeRO-3 and
+accelerate hooks fire as in any forward), and the one-token forward that stands in for one another process makes."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..forward.context import CONTEXT_KWARG, ContextHandle, NodeContext, activated
+from ..forward.routing import release
+from ..model import PreparedModel
+from ..model.compiled import graph_breaks_allowed
+from ..model.installation import force_non_reentrant_checkpointing
+from ..moe_router import token_sums
+from .node_calls import NodeCall
+
+
+def forward_call(
+    prepared: PreparedModel,
+    call: NodeCall,
+    sources: list[dict],
+    *,
+    layout: str,
+    temperature: float,
+    return_entropy: bool,
+    router_top_k: int | None = None,
+    weight_grads=None,
+    keep_logits_bytes: int = 0,
+) -> NodeContext:
+    """Forward ``call`` (on the model's device) attending over ``sources`` (the prefix states of ``call.sources``).
+
+    ``layout``: ``expand``, ``flex`` or ``flash``; with ``router_top_k`` the model also returns its router logits and
+    ``context.router`` sums them per node of the call; ``weight_grads``, ``keep_logits_bytes``: see
+    :class:`NodeContext`. Returns the context
+    with ``states`` (attention module -> (key, value), each (kv_heads, T, head_dim)) and ``logps`` / ``entropy`` ((p,)
+    float32, one per pair of ``call.head_pairs``), all differentiable when grad is enabled and leaving through the
+    model's output (see ``forward/routing.py``).
+    """
+    context = NodeContext(
+        call=call,
+        sources=sources,
+        layout=layout,
+        needs_grad=torch.is_grad_enabled(),
+        head_spec=prepared.head,
+        temperature=temperature,
+        return_entropy=return_entropy,
+        weight_grads=weight_grads,
+        keep_logits_bytes=keep_logits_bytes,
+    )
+    extra = {"output_router_logits": True} if router_top_k is not None else {}
+    with (
+        force_non_reentrant_checkpointing(prepared.causal_lm),
+        activated(context),
+        graph_breaks_allowed(prepared.outer),
+        weight_grads.embedding_hook() if weight_grads is not None else contextlib.nullcontext(),
+    ):
+        output = prepared.outer(
+            input_ids=call.input_ids,
+            position_ids=call.positions,
+            use_cache=False,
+            **extra,
+            **{CONTEXT_KWARG: ContextHandle(context)},
+        )
+    context.finished = True
+    logits = output.logits if hasattr(output, "logits") else output[0]
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{type(prepared.outer).__name__} returned no logits tensor")
+    if not context.routes:
+        raise ValueError(f"{type(prepared.causal_lm).__name__} ran no attention layer through the shared-prefix path")
+    if context.route is None:
+        raise ValueError(f"{type(prepared.causal_lm).__name__} did not call its lm_head inside its forward")
+    if not context.needs_grad:
+        # No backward recomputes through this call, and the walk keeps its context while descendants attend over
+        # its keys/values: its masks would stay alive for nothing.
+        context.masks.clear()
+    modules = list(context.routes)
+    released = release(logits, [context.routes[module] for module in modules] + [context.route])
+    context.states = {module: (released[2 * i], released[2 * i + 1]) for i, module in enumerate(modules)}
+    context.logps = released[2 * len(modules)]
+    context.entropy = released[2 * len(modules) + 1] if return_entropy else None
+    if router_top_k is not None:
+        valid = call.pack_valid
+        owner = torch.arange(valid.shape[0], device=valid.device)[:, None].expand_as(valid)[valid]
+        tokens = torch.arange(owner.numel(), device=owner.device)
+        router_logits = getattr(output, "router_logits", None)
+        context.router = token_sums(router_logits, tokens, owner, valid.shape[0], router_top_k)
+    return context
+
+
+def one_token_zero(prepared: PreparedModel) -> torch.Tensor:
+    """A 0-d float32 zero from a one-token forward of the caller's outermost module: connected to every parameter
+    that produces the logits (with gradients enabled), so that a backward through it visits every unit and adds zero.
+    It stands in for a model call another process makes and this one does not (lockstep)."""
+    ids = torch.zeros((1, 1), dtype=torch.long, device=prepared.device)
+    logits = prepared.outer(input_ids=ids, use_cache=False).logits
+    return logits.float().sum() * 0.0

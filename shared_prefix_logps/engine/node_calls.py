@@ -1,0 +1,275 @@
+"""What each forward of the engine holds: scored pairs, and per forward ("node call") its packed tokens, positions,
+the ancestors each node attends over and the pairs its head scores.
+
+A *scored pair* is (trie token whose last-layer hidden state predicts, target token). Every scored position of every
+row maps to one: the row's real token ``j`` is predicted by its token ``j - 1``. Inside a node the next token is
+unique; the last token of a node predicts the first token of each child (a prompt's last token predicts each
+completion's first token). Rows sharing a path share its pairs, so each pair goes through the fused head once,
+whatever the number of rows that score it.
+
+A *node call* is one forward of the model over a set of nodes of one depth, each of whose ancestors went through an
+earlier call. Its input is the nodes' tokens packed back to back (no padding forwarded); the layouts
+(``backends/``) read what they need from it: ``expand`` a row per node over its ancestors' keys/values gathered from
+the earlier calls that hold them, ``flex`` the ancestor store and the trie's structure, ``flash`` the ancestors of
+each level.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from .trie import PrefixTrie
+
+
+@dataclass(frozen=True)
+class ScoredPairs:
+    """The distinct (hidden token, target) pairs the rows score.
+
+    Attributes:
+        hidden_token: (P,) int64 index into the trie tokens of the token whose hidden state predicts.
+        target: (P,) int64 predicted token id.
+        of_scored: (num_scored,) int32, the pair of each scored position, in the row-major order of the plan's
+            score mask.
+    """
+
+    hidden_token: torch.Tensor
+    target: torch.Tensor
+    of_scored: torch.Tensor
+
+
+def scored_pairs(trie: PrefixTrie, row: torch.Tensor, position: torch.Tensor, target: torch.Tensor) -> ScoredPairs:
+    """The pairs of scored positions given as (row, position in the row's real tokens, target id), each (n,) int64
+    in the score mask's row-major order; position 0 is never scored (nothing precedes a row's first token)."""
+    _, hidden = trie.token_at(row, position - 1)
+    key = hidden * (int(target.max()) + 1 if target.numel() else 1) + target
+    unique, inverse = torch.unique(key, return_inverse=True)
+    first = torch.full((unique.numel(),), -1, dtype=torch.long).scatter_reduce(
+        0, inverse, torch.arange(key.numel()), reduce="amin", include_self=False
+    )
+    return ScoredPairs(hidden_token=hidden[first], target=target[first], of_scored=inverse.int())
+
+
+@dataclass(frozen=True)
+class FlashLevel:
+    """The ancestors of one level of a node call's nodes, for the ``flash`` layout: the call's packed queries (every
+    one has an ancestor at each level above its depth) in runs that share their ancestor at this level.
+
+    Attributes:
+        query_counts: (runs,) int64 queries per run, in packed order.
+        key_tokens: (keys,) int64 index into the call's ancestor store of each run's ancestor tokens, run after run.
+        key_counts: (runs,) int64 tokens of each run's ancestor.
+    """
+
+    query_counts: torch.Tensor
+    key_tokens: torch.Tensor
+    key_counts: torch.Tensor
+
+
+@dataclass(frozen=True)
+class NodeCall:
+    """One forward over ``nodes``; (S = len(nodes), Lmax = longest node, T = their tokens, A = most ancestor tokens
+    of a node, A_total = tokens of the ancestor store).
+
+    Attributes:
+        nodes: (S,) int64 trie nodes of one depth, in depth-first order.
+        input_ids: (1, T) int64 packed tokens; positions: (1, T) int64 their positions in the rows.
+        pack_index: (S, Lmax) int64, index into the T packed tokens of each node's i-th token (0 past its end).
+        pack_valid: (S, Lmax) bool, True on real node tokens.
+        sources: earlier calls whose keys/values hold the ancestors, in the order their tokens are concatenated
+            into the ancestor store.
+        head_index: (p,) int64, the packed token of each pair this call scores; head_pairs: (p,) their pair ids;
+            head_targets: (p,) their target ids.
+        query_node / query_order: (T,) int64, each packed token's node and its index inside that node.
+        ancestor_index: ``expand``: (S, A) int64, index into the ancestor store of each ancestor token (0 past the
+            end; a node's ancestor tokens sit at positions 0 .. node start - 1); ancestor_valid: (S, A) bool.
+        store_node / store_order / store_positions: (A_total,) int64, the node, index in the node and position of
+            every token of the ancestor store (what ``flex`` builds its mask from).
+        node_end: (num_nodes,) int64, the trie's ``subtree_end``: node k is an ancestor of (or is) node q exactly
+            when ``k <= q < node_end[k]``.
+        levels: ``flash``: a :class:`FlashLevel` per ancestor level, top level first.
+    """
+
+    nodes: torch.Tensor
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    pack_index: torch.Tensor
+    pack_valid: torch.Tensor
+    sources: list[int]
+    head_index: torch.Tensor
+    head_pairs: torch.Tensor
+    head_targets: torch.Tensor
+    query_node: torch.Tensor
+    query_order: torch.Tensor
+    store_node: torch.Tensor
+    store_order: torch.Tensor
+    store_positions: torch.Tensor
+    node_end: torch.Tensor
+    ancestor_index: torch.Tensor | None = None
+    ancestor_valid: torch.Tensor | None = None
+    levels: tuple[FlashLevel, ...] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def to(self, device) -> NodeCall:
+        """The call with every tensor on ``device`` (the layouts read them there; the planner keeps CPU copies)."""
+
+        def move(value):
+            if isinstance(value, torch.Tensor):
+                return value.to(device, non_blocking=True)
+            if isinstance(value, FlashLevel):
+                return FlashLevel(*(move(getattr(value, f.name)) for f in fields(value)))
+            if isinstance(value, tuple):
+                return tuple(move(v) for v in value)
+            return value
+
+        return NodeCall(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
+
+
+class CallPlanner:
+    """Plans the node calls of one trie one after another, remembering which call holds each node (all bookkeeping is
+    per node and per pair: nothing per trie token or per row is kept)."""
+
+    def __init__(self, trie: PrefixTrie, pairs: ScoredPairs, layout: str = "expand"):
+        self.trie, self.pairs, self.layout = trie, pairs, layout
+        self.node_call = torch.full((trie.num_nodes,), -1, dtype=torch.long)
+        self.node_local = torch.full((trie.num_nodes,), -1, dtype=torch.long)  # its first token's index in its call
+        self.call_nodes: list[torch.Tensor] = []
+        self.call_sizes: list[int] = []
+        # Pairs sorted by the node of their hidden token, so a call finds its pairs by ranges.
+        self.pair_node = torch.searchsorted(trie.node_offset, pairs.hidden_token, right=True) - 1
+        self.pair_order = torch.argsort(self.pair_node, stable=True).int()
+        counts = torch.bincount(self.pair_node, minlength=trie.num_nodes)
+        self.pair_start, self.pair_count = torch.cumsum(counts, 0) - counts, counts
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.call_nodes)
+
+    def _runs(self, nodes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token of ``nodes`` (back to back): its node and its index inside that node."""
+        lengths = self.trie.node_length[nodes]
+        node = torch.repeat_interleave(nodes, lengths)
+        order = torch.arange(node.numel()) - torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
+        return node, order
+
+    def plan(self, nodes) -> NodeCall:
+        """The next call, over ``nodes`` (of one depth, ascending; each ancestor already planned)."""
+        trie = self.trie
+        nodes = torch.as_tensor(nodes, dtype=torch.long)
+        call_id = self.num_calls
+        lengths = trie.node_length[nodes]
+        inner = torch.arange(int(lengths.max()))
+        pack_valid = inner[None, :] < lengths[:, None]
+        count = int(lengths.sum())
+        pack_index = torch.zeros(pack_valid.shape, dtype=torch.long)
+        pack_index[pack_valid] = torch.arange(count)
+        query_node, query_order = self._runs(nodes)
+        self.node_call[nodes] = call_id
+        self.node_local[nodes] = torch.cumsum(lengths, 0) - lengths
+        self.call_nodes.append(nodes)
+        self.call_sizes.append(count)
+
+        # Each node's ancestor tokens are those of any row through it at positions 0 .. node start - 1.
+        starts = trie.node_start[nodes]
+        columns = torch.arange(int(starts.max()))
+        ancestor_valid = columns[None, :] < starts[:, None]
+        ancestor, token = trie.token_at(trie.node_row[nodes][:, None], columns[None, :])
+        ancestor = ancestor.masked_fill(~ancestor_valid, 0)
+        ancestor_call = self.node_call[ancestor]
+        sources = torch.unique(ancestor_call[ancestor_valid]).tolist()
+        if any(source < 0 or source == call_id for source in sources):
+            raise RuntimeError("a node call was planned before one of its ancestors' calls")
+        source_offset = torch.zeros(max(call_id, 1), dtype=torch.long)
+        sizes = torch.tensor([self.call_sizes[s] for s in sources], dtype=torch.long)
+        source_offset[sources] = torch.cumsum(sizes, 0) - sizes
+        within = token - trie.node_offset[ancestor]
+        store_index = (source_offset[ancestor_call] + self.node_local[ancestor] + within).masked_fill(
+            ~ancestor_valid, 0
+        )
+
+        span = torch.repeat_interleave(torch.arange(nodes.numel()), self.pair_count[nodes])
+        within_pairs = (
+            torch.arange(span.numel()) - (torch.cumsum(self.pair_count[nodes], 0) - self.pair_count[nodes])[span]
+        )
+        head_pairs = self.pair_order[self.pair_start[nodes][span] + within_pairs].long()
+        pair_node = self.pair_node[head_pairs]
+        head_index = self.node_local[pair_node] + self.pairs.hidden_token[head_pairs] - trie.node_offset[pair_node]
+        store_nodes = torch.cat([self.call_nodes[s] for s in sources]) if sources else nodes[:0]
+        store_node, store_order = self._runs(store_nodes)
+        extra = {}
+        if self.layout == "expand":
+            extra = dict(ancestor_index=store_index, ancestor_valid=ancestor_valid)
+        elif self.layout == "flash":
+            extra = dict(levels=self._levels(nodes, lengths, store_index))
+        return NodeCall(
+            nodes=nodes,
+            input_ids=trie.tokens[trie.node_offset[query_node] + query_order][None],
+            positions=(trie.node_start[query_node] + query_order)[None],
+            pack_index=pack_index,
+            pack_valid=pack_valid,
+            sources=sources,
+            head_index=head_index,
+            head_pairs=head_pairs,
+            head_targets=self.pairs.target[head_pairs],
+            query_node=query_node,
+            query_order=query_order,
+            store_node=store_node,
+            store_order=store_order,
+            store_positions=trie.node_start[store_node] + store_order,
+            node_end=trie.subtree_end,
+            **extra,
+        )
+
+    def _levels(self, nodes, lengths, store_index) -> tuple[FlashLevel, ...]:
+        """Per ancestor level, the runs of the call's nodes (depth-first, so a level's ancestors come in runs) that
+        share their ancestor there, and the store tokens of each run's ancestor."""
+        trie = self.trie
+        depth = int(trie.depth[nodes[0]])
+        path = trie.row_path[trie.node_row[nodes]]
+        levels = []
+        for level in range(depth - 1):
+            ancestor = path[:, level]
+            first = torch.ones_like(ancestor, dtype=torch.bool)
+            first[1:] = ancestor[1:] != ancestor[:-1]
+            run = torch.cumsum(first.long(), 0) - 1
+            leaders = first.nonzero().squeeze(1)
+            start = trie.node_start[ancestor[leaders]]
+            key_counts = trie.node_length[ancestor[leaders]]
+            offsets = torch.repeat_interleave(torch.cumsum(key_counts, 0) - key_counts, key_counts)
+            columns = torch.repeat_interleave(start, key_counts) + torch.arange(int(key_counts.sum())) - offsets
+            key_tokens = store_index[torch.repeat_interleave(leaders, key_counts), columns]
+            query_counts = torch.zeros(leaders.numel(), dtype=torch.long).index_add_(0, run, lengths)
+            levels.append(FlashLevel(query_counts, key_tokens, key_counts))
+        return tuple(levels)
+
+
+def single_node_call(input_ids: torch.Tensor) -> NodeCall:
+    """The ``expand`` call of one node without ancestors holding ``input_ids`` (1, n) (on their device), scoring
+    nothing: what a plain causal forward through the shared-prefix attention is (the head check's)."""
+    n = input_ids.shape[1]
+    device = input_ids.device
+    inner = torch.arange(n, device=device)
+    empty = inner[:0]
+    return NodeCall(
+        nodes=torch.zeros(1, dtype=torch.long, device=device),
+        input_ids=input_ids,
+        positions=inner[None],
+        pack_index=inner[None],
+        pack_valid=torch.ones(1, n, dtype=torch.bool, device=device),
+        sources=[],
+        head_index=empty,
+        head_pairs=empty,
+        head_targets=empty,
+        query_node=torch.zeros_like(inner),
+        query_order=inner,
+        store_node=empty,
+        store_order=empty,
+        store_positions=empty,
+        node_end=torch.ones(1, dtype=torch.long, device=device),
+        ancestor_index=empty[None],
+        ancestor_valid=torch.ones(1, 0, dtype=torch.bool, device=device),
+    )

@@ -1,0 +1,238 @@
+"""The walk over a plan's chunks of rows: the one loop every entry point runs.
+
+For each chunk, the nodes on its rows' paths that no earlier chunk forwarded go through node calls, one per depth,
+each attending over its ancestors' prefix states; the chunk's log-probs are read from the calls' head results.
+
+- Without gradients, once a chunk is done every call whose nodes no later row passes through, and whose states no
+  pending call still uses, is freed: at most the calls on the current chunk's paths are alive.
+- With gradients and ``leaves`` (the chunked backwards), each call's outputs are cut from the graph that produced them
+  into *leaves*, which later calls and the chunks' losses use and which collect the gradient of every descendant.
+  Once nothing later needs a call, it back-propagates once (its outputs with the gradients accumulated on its leaves,
+  which sends them to the parameters and on to its ancestors' leaves) and is freed. So at most the calls on the
+  current chunk's paths are alive, and the result equals autograd of the sum of the chunks' losses.
+- With gradients and no leaves (``compute_logps*`` under grad, one chunk), the calls form one graph that the
+  caller's backward goes through.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..forward.context import NodeContext
+from ..moe_router import RouterStats, path_sums
+from ..output import LogpsOutput, result_zeros
+from .calls import forward_call
+from .node_calls import CallPlanner
+from .plan import Plan
+
+
+@dataclass(eq=False)
+class _Call:
+    """A forwarded node call that is still needed.
+
+    Attributes:
+        context: the call's context; ``states``/``logps``/``entropy``/``router`` hold the graph's outputs.
+        outputs: those outputs in the order of :func:`_outputs`.
+        used: what later calls and the chunks read: ``outputs`` themselves, or (with leaves) the same tensors cut
+            from the graph, whose gradients accumulate in ``.grad``.
+        states: attention module -> (key, value) of ``used``, what descendants' calls attend over.
+        users: calls that attend over this one's states and have not back-propagated yet.
+    """
+
+    context: NodeContext
+    outputs: list
+    used: list
+    states: dict
+    users: set = field(default_factory=set)
+
+    def result(self, index: int) -> torch.Tensor | None:
+        """Item ``index`` of the call's head results in ``used``: 0 log-probs, 1 entropy, 2 router probabilities."""
+        position = self.slots.get(index)
+        return None if position is None else self.used[position]
+
+    @property
+    def slots(self) -> dict:
+        count = 2 * len(self.context.states)
+        slots = {0: count}
+        if self.context.entropy is not None:
+            count += 1
+            slots[1] = count
+        if self.context.router is not None:
+            slots[2] = count + 1
+        return slots
+
+
+def _outputs(context: NodeContext) -> list[torch.Tensor]:
+    """What a call hands on, in a fixed order: every layer's key and value, its log-probs, then (when requested) its
+    entropy and its nodes' router probabilities."""
+    outputs = [tensor for pair in context.states.values() for tensor in pair] + [context.logps]
+    if context.entropy is not None:
+        outputs.append(context.entropy)
+    if context.router is not None:
+        outputs.append(context.router[1])
+    return outputs
+
+
+class Walk:
+    """The walk of one entry-point call over ``plan`` (see the module).
+
+    Args:
+        prepared: the prepared model.
+        plan: the call's plan (its trie, pairs, results' layout and chunks).
+        layout: ``expand``, ``flex`` or ``flash``.
+        temperature, return_entropy: as for the entry points.
+        router_top_k: also sum each call's router statistics per node (:meth:`router`).
+        leaves: cut each call's outputs into leaves and back-propagate calls as they finish (the chunked backwards).
+        backward: with ``leaves``, ``backward(tensors, grads)`` runs a call's backward (the driver's ``tensors``, or
+            the agreement's ``backward``).
+        agreement: with ``leaves`` under lockstep, the :class:`~.lockstep.CallAgreement` whose ``before_forward()``
+            runs before each call's forward.
+        weight_grads: the entry point's head/embedding weight-gradient buffers (``weight_grads.py``), or None.
+        keep_logits_bytes: the fused head keeps each call's logits for its backward up to this size (0: none).
+    """
+
+    def __init__(
+        self,
+        prepared,
+        plan: Plan,
+        *,
+        layout: str,
+        temperature: float,
+        return_entropy: bool,
+        router_top_k: int | None = None,
+        leaves: bool = False,
+        backward=None,
+        agreement=None,
+        weight_grads=None,
+        keep_logits_bytes: int = 0,
+    ):
+        self.prepared, self.plan, self.layout = prepared, plan, layout
+        self.temperature, self.return_entropy, self.router_top_k = temperature, return_entropy, router_top_k
+        self.leaves, self.backward, self.agreement = leaves, backward, agreement
+        self.weight_grads, self.keep_logits_bytes = weight_grads, keep_logits_bytes
+        trie = plan.trie
+        self.planner = CallPlanner(trie, plan.pairs, layout)
+        path = trie.row_path
+        # Rows still to be processed through each node: its call may back-propagate (or be freed) once this is 0.
+        self.remaining = torch.bincount(path[path >= 0], minlength=trie.num_nodes)
+        self.node_call = torch.full((trie.num_nodes,), -1, dtype=torch.long)
+        self.calls: dict[int, _Call] = {}
+        self.call_nodes: dict[int, torch.Tensor] = {}
+        # Row r's scored positions are pairs.of_scored[scored_start[r] : scored_start[r] + scored_count[r]].
+        self.scored_count = plan.score_mask.sum(1).cpu()
+        self.scored_start = torch.cumsum(self.scored_count, 0) - self.scored_count
+        # Each pair's index among the head results of every call so far, calls in order (int32: one per pair).
+        self.pair_position = torch.full((plan.pairs.target.numel(),), -1, dtype=torch.int32)
+        self.first_pair: list[int] = []  # per call, the position of its first head result
+        self.head_counts: list[int] = []  # per call, its head results
+        self.node_router: list = []  # (nodes, (counts, probs, tokens)) per call, outputs not leaves (no-leaf walks)
+
+    def forward_rows(self, rows: torch.Tensor) -> LogpsOutput:
+        """Forward the nodes ``rows`` need that are not forwarded yet; the rows' (len(rows), width) output,
+        differentiable (through the calls' leaves with ``leaves``)."""
+        trie = self.plan.trie
+        nodes = trie.row_path[rows].reshape(-1)
+        nodes = torch.unique(nodes[nodes >= 0])
+        new = nodes[self.node_call[nodes] < 0]
+        depth = trie.depth[new]
+        for level in torch.unique(depth).tolist():
+            self._forward(new[depth == level])
+        device = self.prepared.device
+        score = self.plan.score_mask[rows.to(self.plan.score_mask.device)]
+        counts = self.scored_count[rows]
+        pairs = self.plan.pairs.of_scored[
+            torch.repeat_interleave(self.scored_start[rows] - (torch.cumsum(counts, 0) - counts), counts)
+            + torch.arange(int(counts.sum()))
+        ]
+        logps = result_zeros(*score.shape, device=device)
+        entropy = torch.zeros_like(logps) if self.return_entropy else None
+        position = self.pair_position[pairs].long()
+        first_pair = torch.tensor(self.first_pair, dtype=torch.long)
+        call_of = torch.searchsorted(first_pair, position, right=True) - 1
+        calls = torch.unique(call_of).tolist()
+        if calls:
+            sizes = torch.tensor([self.head_counts[c] for c in calls])
+            offsets = torch.zeros(self.planner.num_calls, dtype=torch.long)
+            offsets[calls] = torch.cumsum(sizes, 0) - sizes
+            index = (offsets[call_of] + position - first_pair[call_of]).to(device)
+            logps = logps.masked_scatter(score, torch.cat([self.calls[c].result(0) for c in calls])[index])
+            if self.return_entropy:
+                entropy = entropy.masked_scatter(score, torch.cat([self.calls[c].result(1) for c in calls])[index])
+        elif torch.is_grad_enabled():
+            # Nothing scored: a zero result still hangs off the calls' graphs, so that a loss built from it reaches
+            # every call's backward (parameters get zero gradients, as from autograd of the one graph).
+            used = [t for call in self.calls.values() for t in call.used if t.requires_grad]
+            if used:
+                anchor = torch.stack([t.sum() * 0.0 for t in used]).sum()
+                logps = logps + anchor
+                entropy = None if entropy is None else entropy + anchor
+        return LogpsOutput(logps, entropy, score)
+
+    def router(self, rows: torch.Tensor, num_experts: int) -> RouterStats:
+        """The rows' router statistics: the sums of the nodes on each row's path (differentiable through the calls'
+        leaves with ``leaves``; the rows' calls must still be alive)."""
+        stats = [(c.context.call.nodes, c.context.router[0], c.result(2), c.context.router[2]) for c in self._live()]
+        return path_sums(self.plan.trie.row_path[rows], stats, self.plan.trie.num_nodes, num_experts)
+
+    def _live(self) -> list[_Call]:
+        return [self.calls[c] for c in sorted(self.calls)]
+
+    def _forward(self, nodes: torch.Tensor) -> None:
+        if self.agreement is not None:
+            self.agreement.before_forward()
+        call = self.planner.plan(nodes)
+        call_id = self.planner.num_calls - 1
+        for source in call.sources:
+            self.calls[source].users.add(call_id)
+        context = forward_call(
+            self.prepared,
+            call.to(self.prepared.device),
+            [self.calls[source].states for source in call.sources],
+            layout=self.layout,
+            temperature=self.temperature,
+            return_entropy=self.return_entropy,
+            router_top_k=self.router_top_k,
+            weight_grads=self.weight_grads,
+            keep_logits_bytes=self.keep_logits_bytes,
+        )
+        outputs = _outputs(context)
+        used = [t.detach().requires_grad_(t.requires_grad) for t in outputs] if self.leaves else outputs
+        states = {module: (used[2 * i], used[2 * i + 1]) for i, module in enumerate(context.states)}
+        self.calls[call_id] = _Call(context, outputs, used, states)
+        self.call_nodes[call_id] = nodes
+        self.node_call[nodes] = call_id
+        total = self.first_pair[-1] + self.head_counts[-1] if self.first_pair else 0
+        self.first_pair.append(total)
+        self.head_counts.append(call.head_pairs.numel())
+        self.pair_position[call.head_pairs] = torch.arange(total, total + call.head_pairs.numel(), dtype=torch.int32)
+
+    def finish_rows(self, rows: torch.Tensor) -> None:
+        """Count ``rows`` as done; back-propagate (with ``leaves``) and free every call nothing later needs,
+        descendants first (they were planned later), so a call's leaves hold every descendant's gradient when it
+        runs."""
+        path = self.plan.trie.row_path[rows]
+        self.remaining -= torch.bincount(path[path >= 0], minlength=self.remaining.numel())
+        progress = True
+        while progress:
+            progress = False
+            for call_id in sorted(self.calls, reverse=True):
+                live = self.calls[call_id]
+                if live.users or bool(self.remaining[self.call_nodes[call_id]].any()):
+                    continue
+                if self.leaves:
+                    self._backward(live)
+                for source in live.context.call.sources:
+                    self.calls[source].users.discard(call_id)
+                del self.calls[call_id]
+                progress = True
+
+    def _backward(self, live: _Call) -> None:
+        tensors, grads = [], []
+        for output, leaf in zip(live.outputs, live.used):
+            if output.requires_grad and leaf.grad is not None:
+                tensors.append(output)
+                grads.append(leaf.grad)
+        if tensors or self.agreement is not None:  # an agreed backward pairs with the other processes' even if empty
+            self.backward(tensors, grads)

@@ -6,11 +6,12 @@
 #
 # Stages S0 (environment) .. S5 (compile caches) are described in benchmarks/gpu_quick.py and docs/benchmarks.md.
 # Each result is one JSON line appended to $OUT/results.jsonl as soon as it exists; the whole log goes to
-# $OUT/quick.log. At most 3 files are written under $OUT (results.jsonl, quick.log, gpu-cache.tar.gz).
+# $OUT/quick.log, a Markdown summary to $OUT/summary.md. At most 4 files are written under $OUT (results.jsonl,
+# quick.log, summary.md, gpu-cache.tar.gz).
 # A stage whose estimated cost exceeds the time left is skipped with that reason; one that overruns is stopped.
 #
 # Nothing is fetched: pip never contacts a package index. Pure-Python wheels found in an ignored .whl/ folder are
-# installed with --no-index into a temporary directory. Compile caches live in .gpu-cache/ (ignored), restored from
+# installed with --no-index into a temporary directory ($WHEELS names another folder). Compile caches live in .gpu-cache/ (ignored), restored from
 # .gpu-cache.tar.gz when one lies in the repository root (S5 writes it to $OUT; copy it there to reuse it).
 # Without CUDA every stage runs at tiny shapes on CPU (a dry run of the plumbing; tests/bench/test_gpu_quick.py).
 # Exit code: 0 when every stage ended ok or skipped, 1 when a check or stage failed.
@@ -38,11 +39,12 @@ if [ -f .gpu-cache.tar.gz ] && [ ! -d .gpu-cache ]; then
     tar -xzf .gpu-cache.tar.gz && log "restored compile caches from .gpu-cache.tar.gz"
 fi
 mkdir -p .gpu-cache
-if compgen -G ".whl/*.whl" >/dev/null; then
+WHEELS=${WHEELS:-.whl}
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
     SITE=$(mktemp -d)
-    if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl >>"$LOG" 2>&1; then
+    if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$WHEELS"/*.whl >>"$LOG" 2>&1; then
         export PYTHONPATH="$PYTHONPATH:$SITE"
-        log "installed wheels from .whl/: $(cd .whl && ls -- *.whl | tr '\n' ' ')"
+        log "installed wheels from $WHEELS/: $(cd "$WHEELS" && ls -- *.whl | tr '\n' ' ')"
     else
         log "wheels in .whl/ did not install (see above); going on without them"
     fi
@@ -54,5 +56,6 @@ fi
 LEFT=$((DEADLINE_S - ($(date +%s) - START)))
 $PY benchmarks/gpu_quick.py run --out "$OUT" --deadline-s "$LEFT" --stages "$STAGES" 2>&1 | tee -a "$LOG"
 status=${PIPESTATUS[0]}
+$PY benchmarks/gpu_quick.py report "$OUT/results.jsonl" >"$OUT/summary.md" 2>>"$LOG" || log "no summary written"
 echo "== gpu_quick: done in $(($(date +%s) - START))s, exit $status" | tee -a "$LOG"
 exit "$status"

@@ -277,3 +277,61 @@ def test_explicit_scores_over_budget_are_refused_on_fused_path(family, monkeypat
         compute_logps(model, prompts, comps, **kwargs)
     monkeypatch.setattr(expand_memory, "EXPLICIT_SCORES_BUDGET", 2**30)
     assert torch.isfinite(compute_logps(model, prompts, comps, **kwargs).logps).all()
+
+
+def test_math_before_cudnn_in_torchs_order_takes_the_calls_the_kernels_ahead_of_it_reject(fake_cuda, monkeypatch):
+    # torch's default order puts math before cuDNN on purpose (older cuDNN mishandled some sequence lengths). A masked
+    # call that flash (no mask) and the memory-efficient kernel (here: rejects everything) refuse runs on math there,
+    # as torch would run it; walking past math would hand it to cuDNN.
+    fake = fake_cuda(rules={"CUDNN_ATTENTION": _anything, "FLASH_ATTENTION": _flash, "EFFICIENT_ATTENTION": _nothing})
+    assert [_NAMES[int(c)] for c in torch._C._get_sdp_priority_order()][:4] == list(fake.initial_order[:4])
+    spy = SdpaCalls(fake)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    model = build_model("llama")
+    prompts, pmask, comps, cmask = unpadded_batch(2, 3, 16, 8)
+    errors = compare_with_dense(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask)
+    assert errors[0] <= 1e-5 and errors[2] <= 1e-4, errors
+    ours = [(fake.kernels[i], call) for i, call in enumerate(spy.calls) if call["enabled"] != enabled_kernels()]
+    phase1 = [(kernel, call) for kernel, call in ours if call["key_len"] == 15]
+    phase2 = [(kernel, call) for kernel, call in ours if call["key_len"] == 23]
+    assert phase1 and phase2
+    assert all(kernel == "FLASH_ATTENTION" for kernel, _ in phase1)  # causal, no mask: flash comes first and takes it
+    assert all(kernel == "MATH" and call["enabled"] == ("MATH",) for kernel, call in phase2)
+    assert "CUDNN_ATTENTION" not in fake.kernels
+
+
+def test_excluded_runs_the_dense_yardstick_off_cudnn(fake_cuda, monkeypatch):
+    # On sm90 (torch 2.13, recent cuDNN) torch's order puts cuDNN first: the dense path's own SDPA calls run there, as
+    # the expand backend's do, so a cuDNN defect would inflate the yardstick with the error it should expose.
+    fake = fake_cuda(**TORCH_2_13_SM90)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", fake)
+    model = build_model("llama")
+    prompts, pmask, comps, cmask = make_batch(2, 3, 16, 8)
+    kwargs = dict(prompt_mask=pmask, completion_mask=cmask)
+    flags = enabled_kernels()
+    plain = compute_logps(model, prompts, comps, backend="dense", **kwargs)
+    plain.logps.sum().backward()
+    order = list(torch._C._get_sdp_priority_order())
+    assert fake.kernels and set(fake.kernels) == {"CUDNN_ATTENTION"}
+    fake.kernels.clear()
+    with sdpa_kernels.excluded("CUDNN_ATTENTION"):
+        assert "CUDNN_ATTENTION" not in enabled_kernels()
+        yardstick = compute_logps(model, prompts, comps, backend="dense", **kwargs)
+        yardstick.logps.sum().backward()
+    assert fake.kernels and "CUDNN_ATTENTION" not in fake.kernels
+    assert set(fake.kernels) <= {"FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"}
+    assert torch.equal(yardstick.logps, plain.logps)  # the kernel changed, not the numbers (the same CPU kernels)
+    # Flags restored and torch's order untouched; the path being judged still runs on cuDNN outside the context.
+    assert enabled_kernels() == flags and list(torch._C._get_sdp_priority_order()) == order
+    fake.kernels.clear()
+    compute_logps(model, prompts, comps, backend="expand", **kwargs)
+    assert "CUDNN_ATTENTION" in fake.kernels
+
+
+def test_excluded_refuses_unknown_names_and_an_empty_set():
+    with pytest.raises(ValueError, match="SDPBackend names"):
+        with sdpa_kernels.excluded("CUDNN"):
+            pass
+    with pytest.raises(ValueError, match="no SDPA kernel"):
+        with sdpa_kernels.excluded(*sdpa_kernels.ALLOWED_KERNELS):
+            pass

@@ -335,3 +335,48 @@ def test_excluded_refuses_unknown_names_and_an_empty_set():
     with pytest.raises(ValueError, match="no SDPA kernel"):
         with sdpa_kernels.excluded(*sdpa_kernels.ALLOWED_KERNELS):
             pass
+
+
+# ---- the no-grad budget and grouped heads ---------------------------------------------------------------------------
+
+
+def _qwen_attention_model():
+    """One layer with Qwen2.5-1.5B's attention (hidden 1536, 12 query heads over 2 KV heads of 128), bfloat16."""
+    import transformers
+
+    config = transformers.Qwen2Config(
+        hidden_size=1536,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        vocab_size=128,
+        max_position_embeddings=8192,
+    )
+    return transformers.Qwen2ForCausalLM(config).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "rules, rows_per_batch",
+    [
+        # cuDNN (first on sm90) takes the masked Phase 2 call with grouped heads natively: only the gathered K/V
+        # count, 2048 tokens a row, all 16 rows in one scoring batch.
+        (TORCH_2_13_SM90, [16]),
+        # torch 2.11 on sm80: flash takes no mask, the memory-efficient kernel no grouped heads, so the heads are
+        # repeated (12 x 4607 x 256 x 2 bytes a row): 11262 tokens a row, 8 batches of 2.
+        (TORCH_2_11_SM80, [2] * 8),
+    ],
+)
+def test_scoring_batches_count_repeated_heads_only_where_the_kernel_repeats_them(
+    fake_cuda, monkeypatch, rules, rows_per_batch
+):
+    from shared_prefix_logps.token_budget import DEFAULT_TOKEN_BUDGET, ScoringCosts, plan_row_batches
+
+    fake = fake_cuda(**rules)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", fake)
+    model = _qwen_attention_model()
+    costs = ScoringCosts.of(model, torch.device("cpu"), packed=False)
+    prompt_mask = torch.ones(1, 4096, dtype=torch.bool)  # P = 4096, C = 512, G = 16
+    completion_mask = torch.ones(16, 512, dtype=torch.bool)
+    batches = plan_row_batches(completion_mask, prompt_mask, DEFAULT_TOKEN_BUDGET, costs)
+    assert [batch.numel() for batch in batches] == rows_per_batch

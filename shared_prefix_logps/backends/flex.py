@@ -75,6 +75,18 @@ def flex_available(device: torch.device) -> bool:
     return device.type in ("cuda", "cpu")
 
 
+def compiled_kernels_launch(device: torch.device) -> bool:
+    """Whether flex_attention's compiled kernels can launch on ``device``: where it is compiled with inductor
+    (CUDA), inductor's kernels are Triton kernels, whose launcher Triton builds with a C compiler and Python's headers
+    at the first launch, so the launch probe's trial launch decides (``kernels.launch_probe``; once per process).
+    True where flex runs uncompiled."""
+    if _COMPILE_BACKENDS.get(device.type) != "inductor":
+        return True
+    from ..kernels import launch_probe
+
+    return launch_probe.cuda_launch_status(device).ok
+
+
 def backward_available(device: torch.device) -> bool:
     """Whether the flex backend can run with gradients on ``device`` (flex_attention's backward exists there)."""
     return device.type in _BACKWARD_DEVICES

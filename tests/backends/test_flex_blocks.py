@@ -154,9 +154,10 @@ def test_segments_that_are_not_runs_are_refused():
         structured_block_mask(segments, segments, empty, q_len=100, kv_len=128, window=None, mask_mod=None)
 
 
-def _kernel_flex_entry(query, key, value, block_mask, score_mod, scale, enable_gqa, aux):
+def _kernel_flex_entry(query, key, value, block_mask, score_mod, scale, enable_gqa, kernel_options, aux):
     """Stands in for flex_attention: attention as the CUDA kernel reads ``block_mask``."""
     assert not aux, "these models request no log-sum-exp"
+    assert kernel_options is None  # CPU: no Triton kernel options
     return kernel_attention(query, key, value, block_mask, scale, score_mod)
 
 

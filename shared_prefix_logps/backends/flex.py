@@ -265,7 +265,8 @@ def _mask_mod(q_groups, q_rows, q_pos, q_order, k_groups, k_rows, k_pos, k_order
     q_groups, q_rows, q_pos, q_order, k_groups, k_rows, k_pos, k_order = _distinct(
         q_groups, q_rows, q_pos, q_order, k_groups, k_rows, k_pos, k_order
     )
-    window = torch.tensor(NO_WINDOW if window is None else int(window), device=q_groups.device)
+    # Filled on the device, not copied from the host (a pageable copy the host waits for).
+    window = torch.full((), NO_WINDOW if window is None else int(window), dtype=torch.long, device=q_groups.device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         same_group = q_groups[q_idx] == k_groups[kv_idx]
@@ -281,9 +282,11 @@ def _needs_q_blocks(context) -> bool:
     return bool(context.needs_grad or torch.is_grad_enabled())
 
 
-def _count(ids: torch.Tensor) -> int:
-    """Number of segments numbered by ``ids`` (0 when there are none)."""
-    return int(ids.max()) + 1 if ids.numel() else 0
+def _count(*ids: torch.Tensor) -> int:
+    """Number of segments numbered by ``ids`` (the largest id of any, plus one; 0 when there are none): one host
+    synchronization, whatever the number of tensors."""
+    maxima = [t.max() for t in ids if t.numel()]
+    return int(torch.stack(maxima).max()) + 1 if maxima else 0
 
 
 def _distinct(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -378,7 +381,7 @@ def _shared_block_mask(context: SharedContext, n, num_prefix, q_len, kv_len, win
     every = torch.arange(num_rows, device=device)
     causal = torch.ones(num_rows, dtype=torch.bool, device=device)
     if capture is not None:
-        num_prompts = max(_count(capture.segments), _count(context.group_index))
+        num_prompts = _count(capture.segments, context.group_index)
         prefixes = segments_of(capture.segments, capture.positions[0], num_prompts)
         keys = concat_segments(prefixes, own)
         links = Links(

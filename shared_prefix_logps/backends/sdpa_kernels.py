@@ -23,6 +23,11 @@ the call. Three of its rules shape what the library does instead of fixing an or
 - The call runs inside ``sdpa_kernel([chosen])`` (:func:`run_on`): only the kernels' enabled flags change, and they
   are restored on exit; torch's priority order is left as torch keeps it.
 
+cuDNN builds an execution graph per call signature (shapes, strides, mask shape), forward and backward, and expand's
+scoring batches and tree node calls change shape every step. Bucketing the lengths cuDNN sees, or preferring the
+memory-efficient kernel where shapes vary, waits for a GPU measurement of those builds; until then torch's choice
+stands (docs/how-it-works.md, expand).
+
 A bfloat16 result is judged against a float32 truth with the dense bfloat16 path's own error as the yardstick. On
 sm90 the dense path (the model's own SDPA attention) and the expand backend's masked calls may both run on cuDNN, so a
 cuDNN defect would inflate both errors alike and pass unseen (pytorch#193893: grouped-query results corrupted by

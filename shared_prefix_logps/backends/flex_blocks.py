@@ -83,6 +83,8 @@ def segments_of(owner: torch.Tensor, positions: torch.Tensor, count: int, *, off
     """
     owner, positions = owner.long(), positions.long()
     device = owner.device
+    if owner.numel() and count <= 0:
+        raise ValueError("owner must be non-decreasing with values in [0, count): segments are runs of tokens")
     if owner.numel() == 0:
         empty = torch.zeros(count, dtype=torch.long, device=device)
         return Segments(start=empty + offset, length=empty, position=empty.clone())

@@ -61,7 +61,8 @@ _ENABLED_FLAGS = {
     "EFFICIENT_ATTENTION": "mem_efficient_sdp_enabled",
     "MATH": "math_sdp_enabled",
 }
-# torch's order before it is initialized, for a torch without ``_get_sdp_priority_order``.
+# torch's order before it is initialized, for a torch without ``_get_sdp_priority_order`` (the default that
+# ``torch._C._get_sdp_priority_order()`` returns off sm90 in torch 2.11 and 2.13: math before cuDNN).
 _DEFAULT_ORDER = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH", "CUDNN_ATTENTION")
 # Decisions cached at most; the cache is cleared when full (shapes vary between scoring batches).
 _MAX_CACHED = 1024

@@ -7,7 +7,7 @@ from torch import nn
 
 from .backends import flash
 from .backends.dense import dense_logps
-from .backends.flex import backward_available, flex_available
+from .backends.flex import backward_available, compiled_kernels_launch, flex_available
 from .batch_plan import BatchPlan, plan_scoring
 from .distributed.lockstep import Lockstep, call_lockstep, placeholder_prefix
 from .inputs import GroupedBatch, check_options, group_batch, split_concatenated
@@ -48,10 +48,11 @@ def compute_logps(
         completion_mask: (B*G, C) bool/0-1, True on real tokens; None means no padding (tensor input only).
         temperature: logits are divided by it before the log-softmax.
         return_entropy: also return each position's entropy.
-        backend: ``"auto"`` (``"flex"`` on CUDA, ``"expand"`` elsewhere), ``"expand"`` (each row gathers its
-            prefix keys/values; SDPA), ``"flex"`` (packed, no padding, one flex_attention call per layer; backward
-            on CUDA only), ``"flash"`` (packed, flash-attn's varlen kernels, the prefix attended in place; CUDA with
-            flash-attn installed) or ``"dense"`` (the conventional full-row forward, for reference).
+        backend: ``"auto"`` (``"flex"`` on CUDA where its Triton kernels launch, ``"expand"`` elsewhere),
+            ``"expand"`` (each row gathers its prefix keys/values; SDPA), ``"flex"`` (packed, no padding, one
+            flex_attention call per layer; backward on CUDA only), ``"flash"`` (packed, flash-attn's varlen
+            kernels, the prefix attended in place; CUDA with flash-attn installed) or ``"dense"`` (the
+            conventional full-row forward, for reference).
         token_budget: under ``torch.no_grad()``, the most tokens forwarded at once (prompts per Phase 1 chunk,
             completion rows per Phase 2 chunk; with ``expand`` a prompt and a row also count the bytes of their masks,
             gathered keys/values and explicit scores as hidden states' worth of tokens: ``token_budget.py``). Default
@@ -139,16 +140,25 @@ def compute_logps_concatenated(
 def resolve_attention_backend(backend: str, device: torch.device) -> str:
     """The concrete backend for ``backend`` on ``device`` with the current grad mode.
 
-    ``auto`` is ``flex`` on CUDA and ``expand`` elsewhere. ``flex`` needs flex_attention's backward, which torch has
-    on CUDA only, when gradients are enabled. ``flash`` needs flash-attn's kernels (CUDA, package installed).
+    ``auto`` is ``flex`` on CUDA where its compiled kernels launch (a trial launch, ``kernels.launch_probe``) and
+    ``expand`` elsewhere. ``flex`` needs those kernels to launch, and flex_attention's backward, which torch has on
+    CUDA only, when gradients are enabled. ``flash`` needs flash-attn's kernels (CUDA, package installed).
     """
     if backend == "flash" and not flash.available(device):
         raise ValueError(flash.unavailable_reason(device))
     if backend == "auto":
-        return "flex" if device.type == "cuda" and flex_available(device) else "expand"
+        flex_runs = device.type == "cuda" and flex_available(device) and compiled_kernels_launch(device)
+        return "flex" if flex_runs else "expand"
     if backend == "flex":
         if not flex_available(device):
             raise ValueError(f"backend='flex' needs torch's flex_attention on {device.type}")
+        if not compiled_kernels_launch(device):
+            from .kernels.launch_probe import cuda_launch_status
+
+            raise ValueError(
+                "backend='flex' compiles flex_attention into Triton kernels, which cannot launch here "
+                f"({cuda_launch_status(device).reason}); use backend='expand'"
+            )
         if torch.is_grad_enabled() and not backward_available(device):
             raise ValueError(
                 "backend='flex' has no backward on CPU (torch's flex_attention); use backend='expand', or call "

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .backends.expand import on_fused_path
+from .backends.expand import on_fused_path, repeats_kv_heads
 from .backends.expand_memory import AttentionShape, prompt_bytes, row_bytes
 
 #: Default most tokens forwarded at once when scoring without gradients.
@@ -29,12 +29,16 @@ class ScoringCosts:
 
     Attributes:
         shape: the model's attention shape, or None for the packed layout (tokens only).
-        repeats_kv: whether the memory terms include repeated KV heads (the fused-kernel path with grouped heads,
-            counted whether or not the kernel chosen later takes the heads natively: an upper bound).
+        repeats_kv: whether the memory terms include repeated KV heads; None: as the SDPA kernel the expand backend
+            will choose for each phase's call shape on ``device`` decides (the fused-kernel path with grouped heads:
+            a kernel that takes grouped heads natively holds no copy, :func:`~.backends.expand.repeats_kv_heads`).
+        device, dtype: where and in which dtype the calls run (read when ``repeats_kv`` is None).
     """
 
     shape: AttentionShape | None
-    repeats_kv: bool = False
+    repeats_kv: bool | None = False
+    device: torch.device | None = None
+    dtype: torch.dtype | None = None
 
     @classmethod
     def of(cls, causal_lm: torch.nn.Module, device: torch.device, *, packed: bool) -> ScoringCosts:
@@ -42,7 +46,15 @@ class ScoringCosts:
         if packed:
             return cls(None)
         shape = AttentionShape.of_model(causal_lm)
-        return cls(shape, repeats_kv=on_fused_path(device) and shape.kv_heads != shape.heads)
+        if not on_fused_path(device) or shape.kv_heads == shape.heads:
+            return cls(shape, repeats_kv=False)
+        dtype = causal_lm.get_input_embeddings().weight.dtype
+        return cls(shape, repeats_kv=True if shape.explicit_scores else None, device=device, dtype=dtype)
+
+    def _repeats(self, queries: int, keys: int, *, masked: bool) -> bool:
+        if self.repeats_kv is not None:
+            return self.repeats_kv
+        return repeats_kv_heads(self.shape, self.device, self.dtype, queries, keys, masked=masked)
 
     def prompt_tokens(self, prompt_mask: torch.Tensor) -> int:
         """Tokens of one prompt of a Phase 1 batch of ``prompt_mask`` (num_prompts, P) bool."""
@@ -52,7 +64,8 @@ class ScoringCosts:
         prefix_len = max(width - 1, 0)
         # An unpadded batch without a window runs causal SDPA without a mask; the mask is counted otherwise.
         masked = not bool(prompt_mask.all()) or self.shape.windowed(prefix_len)
-        extra = prompt_bytes(self.shape, prefix_len, masked=masked, repeats_kv=self.repeats_kv)
+        repeats = self._repeats(prefix_len, prefix_len, masked=masked) if prefix_len else False
+        extra = prompt_bytes(self.shape, prefix_len, masked=masked, repeats_kv=repeats)
         return width + self._tokens(extra)
 
     def row_tokens(self, prompt_mask: torch.Tensor, completion_width: int) -> int:
@@ -62,7 +75,10 @@ class ScoringCosts:
         prefix_len = max(prompt_mask.shape[1] - 1, 0)
         # Without padding or a window one (1, 1, C, L + C) mask serves every row: not counted per row.
         masked = not bool(prompt_mask.all()) or self.shape.windowed(prefix_len + completion_width)
-        extra = row_bytes(self.shape, prefix_len, completion_width, masked=masked, repeats_kv=self.repeats_kv)
+        # Every Phase 2 call has a mask (the rows' own causal part at least), counted per row or not.
+        keys = prefix_len + completion_width
+        repeats = self._repeats(completion_width, keys, masked=True) if completion_width else False
+        extra = row_bytes(self.shape, prefix_len, completion_width, masked=masked, repeats_kv=repeats)
         return completion_width + self._tokens(extra)
 
     def _tokens(self, nbytes: int) -> int:

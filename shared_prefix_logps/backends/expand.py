@@ -32,7 +32,7 @@ import torch.utils.checkpoint
 
 from ..forward.context import CaptureContext, SharedContext, cached
 from . import sdpa_kernels
-from .expand_memory import check_explicit_scores, padded_width
+from .expand_memory import AttentionShape, check_explicit_scores, padded_width
 
 
 def capture_attention(query, key, value, context: CaptureContext, window, options):
@@ -245,6 +245,40 @@ def _fused_path(tensor: torch.Tensor) -> bool:
 def on_fused_path(device: torch.device) -> bool:
     """Whether the expand backend takes its fused-kernel path on ``device``."""
     return torch.device(device).type in _FUSED_PATH_DEVICES
+
+
+def repeats_kv_heads(
+    shape: AttentionShape, device: torch.device, dtype: torch.dtype, queries: int, keys: int, *, masked: bool
+) -> bool:
+    """Whether a no-grad call of this backend on ``device`` holds a copy of the keys/values per query head: one row
+    of ``queries`` over ``keys`` with an additive mask (``masked``: every Phase 2 call, a padded or windowed Phase 1)
+    or causal without one (an unpadded Phase 1).
+
+    The SDPA kernel is chosen as for the real call (:func:`sdpa_kernels.choose` on empty tensors of the call's
+    dtype, sizes and layouts: queries and Phase 1 keys/values in the projections' transposed layout, Phase 2
+    keys/values concatenated, the mask's rows aligned). Heads are repeated for a fused kernel that rejects grouped
+    heads, and by the math kernel itself (its ``enable_gqa`` repeats them); a kernel that takes grouped heads natively
+    (cuDNN on sm90, the memory-efficient kernel after torch 2.11) holds no copy. Explicit scores (softcap, sinks)
+    repeat them always. False off the fused-kernel path and without grouped heads.
+    """
+    if not on_fused_path(device) or shape.kv_heads == shape.heads:
+        return False
+    if shape.explicit_scores:
+        return True
+
+    def projected(heads, length, dim):  # (1, heads, length, dim) as transformers' projections lay it out
+        return torch.empty(1, length, heads, dim, dtype=dtype, device=device).transpose(1, 2)
+
+    query = projected(shape.heads, queries, shape.head_dim)
+    if masked and queries != keys:  # Phase 2: [gathered prefix ; own] concatenated
+        key = torch.empty(1, shape.kv_heads, keys, shape.head_dim, dtype=dtype, device=device)
+        value = torch.empty(1, shape.kv_heads, keys, shape.v_head_dim, dtype=dtype, device=device)
+    else:
+        key, value = projected(shape.kv_heads, keys, shape.head_dim), projected(shape.kv_heads, keys, shape.v_head_dim)
+    mask = empty_additive_mask((1, 1, queries, keys), dtype, device) if masked else None
+    with torch.no_grad():
+        choice = sdpa_kernels.choose(query, key, value, mask, dropout=0.0, is_causal=not masked)
+    return choice.repeat_kv or choice.kernel == "MATH"
 
 
 def _sdpa(query, key, value, mask, *, dropout, scale, groups, is_causal) -> torch.Tensor:

@@ -15,12 +15,14 @@ flex_attention (which materializes every score). Head dimensions below the kerne
 zero-padded, which changes no result. flex_attention's backward exists on CUDA only; on CPU this backend is
 forward-only and runs uncompiled.
 
-Head dimensions 192 and 256 on CUDA (torch/_inductor/template_heuristics/triton.py, torch 2.13): without
+Head dimensions 192 and 256 on CUDA (torch/_inductor/template_heuristics/triton.py, torch 2.11 and 2.13): without
 max-autotune one configuration per (GPU, dtype, head_dim). 256: H100 bf16/fp16 BLOCK_M x BLOCK_N 64 x 32, 3 stages,
-4 warps (fp32 32 x 32); A100 32 x 64. 192: padded to 256 inside the kernel (QK_HEAD_DIM_ROUNDED, boundary-checked
-loads); no H100 entry, so bf16 takes the default 64 x 64, 3 stages, 4 warps (fp32 32 x 64, 1 stage, 8 warps); A100
-bf16 128 x 32. Backward on sm90 above 128: 64 x 64 blocks, 2 stages. Every block size divides the 128-token blocks
-of the masks built here, which the lowering requires (tests/backends/test_flex_head_dim.py).
+4 warps (fp32 32 x 32); A100 32 x 64. 192: padded to 256 inside the kernel (QK_HEAD_DIM_ROUNDED); no H100 entry for
+bf16 (nor, in 2.11, for fp32), so torch would take the default 64 x 64, 3 stages, 4 warps, whose shared memory at
+256-wide tiles an H100 block does not have: the backend passes the 256 entry instead (:mod:`.flex_kernel_options`,
+which also tells the kernel that every length is a multiple of 128: IS_DIVISIBLE). Backward on sm90 above 128:
+64 x 64 blocks, 2 stages. Every block size divides the 128-token blocks of the masks built here, which the lowering
+requires (tests/backends/test_flex_head_dim.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 
 from ..forward.context import CaptureContext, SharedContext, cached
 from .flex_blocks import BLOCK_SIZE, Links, Segments, concat_segments, segments_of, structured_block_mask
+from .flex_kernel_options import kernel_options
 
 #: Packed lengths are padded up to a multiple of this inside the attention call: the block size of the masks.
 LENGTH_BUCKET = BLOCK_SIZE
@@ -75,18 +78,39 @@ def flex_available(device: torch.device) -> bool:
     return device.type in ("cuda", "cpu")
 
 
+def compiled_kernels_launch(device: torch.device) -> bool:
+    """Whether flex_attention's compiled kernels can launch on ``device``: where it is compiled with inductor
+    (CUDA), inductor's kernels are Triton kernels, whose launcher Triton builds with a C compiler and Python's headers
+    at the first launch, so the launch probe's trial launch decides (``kernels.launch_probe``; once per process).
+    True where flex runs uncompiled."""
+    if _COMPILE_BACKENDS.get(device.type) != "inductor":
+        return True
+    from ..kernels import launch_probe
+
+    return launch_probe.cuda_launch_status(device).ok
+
+
 def backward_available(device: torch.device) -> bool:
     """Whether the flex backend can run with gradients on ``device`` (flex_attention's backward exists there)."""
     return device.type in _BACKWARD_DEVICES
 
 
-def _flex_entry(query, key, value, block_mask, score_mod, scale, enable_gqa, aux):
-    """What is compiled for the attention: flex_attention, with ``aux`` the kwargs that request the log-sum-exp
-    (empty when not requested)."""
+def _flex_entry(query, key, value, block_mask, score_mod, scale, enable_gqa, kernel_options, aux):
+    """What is compiled for the attention: flex_attention, with ``kernel_options`` those of
+    :mod:`.flex_kernel_options` (None off CUDA) and ``aux`` the kwargs that request the log-sum-exp (empty when not
+    requested)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     return flex_attention(
-        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, **aux
+        query,
+        key,
+        value,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        kernel_options=kernel_options,
+        **aux,
     )
 
 
@@ -167,8 +191,9 @@ def _flex_call(query, key, value, *, block_mask, scale, score_mod, return_lse=Fa
     else:
         aux = {"return_lse": True}  # torch before AuxRequest
     backend = _COMPILE_BACKENDS.get(query.device.type)
+    options = kernel_options(query.device, query.dtype, query.shape[3])  # a function of the configuration below
     if backend is None:
-        out = _flex_entry(query, key, value, block_mask, score_mod, scale, enable_gqa, aux)
+        out = _flex_entry(query, key, value, block_mask, score_mod, scale, enable_gqa, options, aux)
     else:
         query, key, value = _same_grad_requirement(query, key, value)
         configuration = (
@@ -183,7 +208,9 @@ def _flex_call(query, key, value, *, block_mask, scale, score_mod, return_lse=Fa
             torch.is_grad_enabled(),
         )
         fn = _compiled(_flex_entry, backend, configuration)
-        out = _run_compiled("flex_attention", fn, query, key, value, block_mask, score_mod, scale, enable_gqa, aux)
+        out = _run_compiled(
+            "flex_attention", fn, query, key, value, block_mask, score_mod, scale, enable_gqa, options, aux
+        )
     if "return_aux" in aux:
         return out[0], out[1].lse
     return out
@@ -238,7 +265,8 @@ def _mask_mod(q_groups, q_rows, q_pos, q_order, k_groups, k_rows, k_pos, k_order
     q_groups, q_rows, q_pos, q_order, k_groups, k_rows, k_pos, k_order = _distinct(
         q_groups, q_rows, q_pos, q_order, k_groups, k_rows, k_pos, k_order
     )
-    window = torch.tensor(NO_WINDOW if window is None else int(window), device=q_groups.device)
+    # Filled on the device, not copied from the host (a pageable copy the host waits for).
+    window = torch.full((), NO_WINDOW if window is None else int(window), dtype=torch.long, device=q_groups.device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         same_group = q_groups[q_idx] == k_groups[kv_idx]
@@ -254,9 +282,11 @@ def _needs_q_blocks(context) -> bool:
     return bool(context.needs_grad or torch.is_grad_enabled())
 
 
-def _count(ids: torch.Tensor) -> int:
-    """Number of segments numbered by ``ids`` (0 when there are none)."""
-    return int(ids.max()) + 1 if ids.numel() else 0
+def _count(*ids: torch.Tensor) -> int:
+    """Number of segments numbered by ``ids`` (the largest id of any, plus one; 0 when there are none): one host
+    synchronization, whatever the number of tensors."""
+    maxima = [t.max() for t in ids if t.numel()]
+    return int(torch.stack(maxima).max()) + 1 if maxima else 0
 
 
 def _distinct(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -351,7 +381,7 @@ def _shared_block_mask(context: SharedContext, n, num_prefix, q_len, kv_len, win
     every = torch.arange(num_rows, device=device)
     causal = torch.ones(num_rows, dtype=torch.bool, device=device)
     if capture is not None:
-        num_prompts = max(_count(capture.segments), _count(context.group_index))
+        num_prompts = _count(capture.segments, context.group_index)
         prefixes = segments_of(capture.segments, capture.positions[0], num_prompts)
         keys = concat_segments(prefixes, own)
         links = Links(

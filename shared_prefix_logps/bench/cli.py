@@ -18,7 +18,7 @@ DEFAULT_METHODS = "dense,trl,kv_expand,prefix_grouper,liger,expand,flex,chunked"
 def _bench(args) -> int:
     from .methods import METHODS
     from .presets import build_preset
-    from .report import FLOP_BOUND_TOLERANCE, beyond_flop_bound, markdown_table, write_json, write_plots
+    from .report import FLOP_BOUND_TOLERANCE, RecordStream, beyond_flop_bound, markdown_table, write_json, write_plots
     from .runner import Shape, find_max_generations, run_sweep
 
     device = torch.device(args.device)
@@ -45,11 +45,15 @@ def _bench(args) -> int:
         raise SystemExit(f"--prompts/--prompt-len/--completion-len/--generations: {error}") from None
     total = len(shapes) * len(workloads) * len(methods)
     bar = progress_bar(total)
+    stream = RecordStream(Path(args.output) / f"{args.name or 'bench'}.jsonl") if args.output else None
 
     def progress(record):
+        if stream is not None:
+            stream.write(record)
+        figures = f" {record['median_ms']:.1f} ms" if record.get("median_ms") is not None else ""
         bar(
             f"{record['method']} {record['workload']} P={record['prompt_len']} G={record['generations']}: "
-            f"{record['status']}"
+            f"{record['status']}{figures}"
         )
 
     load_before = load_average()
@@ -190,7 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--threads", type=int, default=None, help="CPU threads (default: 1 on CPU, torch's with CUDA; 0: torch's)"
     )
-    bench.add_argument("--output", default=None, help="directory for JSON, Markdown and PNG results")
+    bench.add_argument(
+        "--output",
+        default=None,
+        help="directory for JSON, Markdown and PNG results; each record is also appended to <name>.jsonl there "
+        "as soon as it is measured",
+    )
     bench.add_argument("--name", default=None, help="file stem of the results (default: bench)")
     bench.add_argument(
         "--max-generations", action="store_true", help="also find the largest G that fits per method (train)"

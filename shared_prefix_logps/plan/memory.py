@@ -59,7 +59,7 @@ from .workload import OPTIMIZER_STATE_BYTES, Engine, Workload
 
 METHODS = ("dense", "trl", "expand", "flex", "chunked")
 
-#: Float32 logits one fused-head chunk may hold on CPU (``kernels.fused_head.DEFAULT_CHUNK_BYTES``).
+#: Bytes one fused-head chunk may hold on CPU (``kernels.fused_head.DEFAULT_CHUNK_BYTES``).
 CPU_HEAD_CHUNK_BYTES = 256 * 2**20
 #: On CUDA the fused head sizes its chunk from free memory, within these bounds (``GPU_CHUNK_BYTES_BOUNDS``); the
 #: plan takes the upper bound.
@@ -135,15 +135,18 @@ def _recompute(dims: ModelDims, w: Workload, tokens: int, extra_per_layer: int =
     return tokens * layer_bytes_per_token(dims, w.itemsize) + extra_per_layer
 
 
-def _head_chunk_rows(dims: ModelDims, rows: int, engine: Engine) -> int:
+def _head_chunk_rows(dims: ModelDims, rows: int, engine: Engine, itemsize: int) -> int:
+    """Rows of one fused-head chunk: the budget over the bytes a row holds per logit in the matmul dtype
+    (``kernels.fused_head.chunk_logit_bytes`` without a softcap; with one, 8 bytes a logit in fewer rows: the same
+    bytes)."""
     budget = CUDA_HEAD_CHUNK_BYTES if engine.device == "cuda" else CPU_HEAD_CHUNK_BYTES
-    return max(1, min(max(rows, 1), budget // (4 * dims.vocab)))
+    return max(1, min(max(rows, 1), budget // (itemsize * dims.vocab)))
 
 
 def _fused_head(dims: ModelDims, w: Workload, engine: Engine, scored: int) -> tuple[dict, dict]:
     """The library's fused head over ``scored`` rows: (forward transient, backward transient) terms."""
     s, v = w.itemsize, dims.vocab
-    chunk = _head_chunk_rows(dims, scored, engine)
+    chunk = _head_chunk_rows(dims, scored, engine, s)
     # The torch statistics (CPU, and CUDA where Triton cannot launch) hold a float32 copy beside the chunk's
     # logits, and three float32 buffers in backward; the Triton kernels work in the logits' buffer, and backward
     # adds its cast for the matmuls.

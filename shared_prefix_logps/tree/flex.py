@@ -88,7 +88,8 @@ def _tree_mask_mod(q_node, q_order, q_pos, k_node, k_end, k_order, k_pos, window
 
     The seven tensors are distinct objects (a compiled function guards on aliasing), and ``window`` travels as a
     tensor so that windowed and unwindowed layers share one graph."""
-    limit = torch.tensor(flex_backend.NO_WINDOW if window is None else int(window), device=q_node.device)
+    # Filled on the device, not copied from the host (a pageable copy the host waits for).
+    limit = torch.full((), flex_backend.NO_WINDOW if window is None else int(window), device=q_node.device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         query_node, key_node = q_node[q_idx], k_node[kv_idx]

@@ -102,9 +102,48 @@ class NodeCall:
         return int(self.input_ids.shape[1])
 
     def to(self, device) -> NodeCall:
+        """The call with its tensors on ``device``: one host-to-device copy for all of them (see
+        :func:`to_device`)."""
         fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
-        return NodeCall(**moved)
+        tensors = {k: v for k, v in fields.items() if isinstance(v, torch.Tensor)}
+        return NodeCall(**{**fields, **to_device(tensors, torch.device(device))})
+
+
+def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """``tensors`` (int64 or bool, planned on the host) on ``device``, through one host-to-device copy.
+
+    Copied one by one, a node call's 17 index tensors were 17 copies from pageable memory, each of which the host
+    waits for. They are packed into one int64 buffer (page-locked when the target is CUDA, so the copy runs
+    asynchronously), copied once and cut apart on the device (bool fields come back as bool). Tensors already on
+    ``device`` are returned as they are; tensors on other devices than the host are copied one by one.
+    """
+    moving = {k: v for k, v in tensors.items() if v.device != device}
+    if not moving:
+        return dict(tensors)
+    if any(v.device.type != "cpu" for v in moving.values()):
+        return {k: v.to(device) for k, v in tensors.items()}
+    buffer, layout = pack(moving, pin=device.type == "cuda")
+    return {**tensors, **unpack(buffer.to(device, non_blocking=True), layout)}
+
+
+def pack(tensors: dict[str, torch.Tensor], *, pin: bool = False) -> tuple[torch.Tensor, list]:
+    """Host ``tensors`` (int64 or bool) flattened into one int64 buffer (page-locked with ``pin``), and the layout
+    :func:`unpack` cuts it apart by: (name, shape, dtype) per tensor, in order."""
+    flat = [v.reshape(-1).long() for v in tensors.values()]
+    buffer = torch.empty(sum(t.numel() for t in flat), dtype=torch.long, pin_memory=pin)
+    torch.cat(flat, out=buffer)
+    return buffer, [(name, value.shape, value.dtype) for name, value in tensors.items()]
+
+
+def unpack(buffer: torch.Tensor, layout: list) -> dict[str, torch.Tensor]:
+    """The tensors :func:`pack` packed into ``buffer`` (on any device): views of it, bool fields as bool."""
+    out, start = {}, 0
+    for name, shape, dtype in layout:
+        count = shape.numel()
+        part = buffer[start : start + count].view(shape)
+        out[name] = part.bool() if dtype == torch.bool else part.to(dtype)
+        start += count
+    return out
 
 
 class CallPlanner:

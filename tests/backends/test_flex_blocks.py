@@ -154,9 +154,10 @@ def test_segments_that_are_not_runs_are_refused():
         structured_block_mask(segments, segments, empty, q_len=100, kv_len=128, window=None, mask_mod=None)
 
 
-def _kernel_flex_entry(query, key, value, block_mask, score_mod, scale, enable_gqa, aux):
+def _kernel_flex_entry(query, key, value, block_mask, score_mod, scale, enable_gqa, kernel_options, aux):
     """Stands in for flex_attention: attention as the CUDA kernel reads ``block_mask``."""
     assert not aux, "these models request no log-sum-exp"
+    assert kernel_options is None  # CPU: no Triton kernel options
     return kernel_attention(query, key, value, block_mask, scale, score_mod)
 
 
@@ -213,3 +214,53 @@ def test_a_million_query_mask_builds_in_seconds_and_memory_proportional_to_its_b
     index_bytes = sum(t.numel() * t.element_size() for t in (mask.kv_indices, mask.full_kv_indices))
     assert tracker.peak <= index_bytes + 1024 * (partial + full), (tracker.peak, index_bytes, partial + full)
     assert seconds <= 60, seconds  # measured 1.5-6 s with the memory tracker on one shared core
+
+
+# ---- host synchronizations of a mask build (what a CUDA run waits for) ----------------------------------------------
+
+#: Operations that must not appear in a mask build: boolean-mask selection and assignment (a nonzero each on CUDA),
+#: bincount (CUDA's reads the maximum first) and repeat_interleave left to count its output itself.
+UNCOUNTED_SIZES = ("aten.bincount", "aten.index.", "aten.index_put", "aten.repeat_interleave")
+
+
+def _syncs_of(build, *args, **kwargs):
+    from support.host_syncs import HostSyncs
+
+    with torch.no_grad(), HostSyncs() as syncs:
+        build(*args, **kwargs)
+    assert not [name for name in syncs.counts if name.startswith(UNCOUNTED_SIZES)], dict(syncs.counts)
+    return syncs
+
+
+def test_a_mask_build_waits_for_the_device_a_handful_of_times():
+    """Each structure-built BlockMask reads back from the device only what sizes its tensors: a segment count, the
+    two expansions' totals (handed to ``repeat_interleave`` as ``output_size``), the distinct blocks, one read of its
+    checks per segment list. These two masks waited 43 and 35 times before."""
+    import types
+
+    context = regular_packed_batch(2, 300, 4, 100)
+    n, num_prefix = context.query_rows.numel(), 600
+    q_len, kv_len = flex._round_up(n, CPU), flex._round_up(n + num_prefix, CPU)
+    for q_blocks in (False, True):
+        syncs = _syncs_of(flex._shared_block_mask, context, n, num_prefix, q_len, kv_len, 200, CPU, q_blocks=q_blocks)
+        assert syncs.total <= 6, dict(syncs.counts)
+    capture = context.capture
+    phase1 = types.SimpleNamespace(segments=capture.segments, positions=capture.positions, needs_grad=True, masks={})
+    length = flex._round_up(num_prefix, CPU)
+    syncs = _syncs_of(flex._capture_block_mask, phase1, num_prefix, length, 7, CPU, q_blocks=True)
+    assert syncs.total <= 5, dict(syncs.counts)
+
+
+def test_a_tree_mask_build_waits_for_the_device_a_handful_of_times():
+    from support.trees import planned_node_calls, random_tree_rows
+
+    from shared_prefix_logps.tree.flex import tree_block_mask
+
+    rows = random_tree_rows(5, depth=4, branching=3, max_segment=70)
+    _, calls = planned_node_calls(rows, rows_per_chunk=3)
+    for call in calls:
+        n, keys = call.num_tokens, call.store_node.numel() + call.num_tokens
+        q_len, kv_len = flex.padded_length(n, CPU), flex.padded_length(keys, CPU)
+        syncs = _syncs_of(tree_block_mask, call, 70, q_len, kv_len)
+        # Two run lists (a count and a check each), the node pairs (one nonzero), two expansions, the blocks.
+        assert syncs.total <= 8, dict(syncs.counts)

@@ -67,6 +67,12 @@ def test_fused_path_counts_repeated_heads_and_unpadded_prompts_no_mask(monkeypat
     assert cpu.prompt_tokens(unpadded) == 40  # causal SDPA, no mask: the prompt's tokens only
     monkeypatch.setattr(expand, "_FUSED_PATH_DEVICES", expand._FUSED_PATH_DEVICES | {"cpu"})
     fused = ScoringCosts.of(model, torch.device("cpu"), packed=False)
-    assert fused.repeats_kv and fused.row_tokens(pmask, 12) > cpu.row_tokens(pmask, 12)
+    # Decided per call shape by the kernel expand will choose: no fused kernel takes a CPU call, so the math kernel
+    # would, and it repeats the heads itself (enable_gqa): the repeated keys/values count.
+    assert fused.repeats_kv is None
+    shape = expand_memory.AttentionShape.of_model(model)
+    repeated = expand_memory.row_bytes(shape, 39, 12, masked=True, repeats_kv=True)
+    token_bytes = shape.hidden_size * shape.itemsize
+    assert fused.row_tokens(pmask, 12) == 12 + -(-repeated // token_bytes) > cpu.row_tokens(pmask, 12)
     packed = ScoringCosts.of(model, torch.device("cpu"), packed=True)
     assert packed.row_tokens(pmask, 12) == 12 and packed.prompt_tokens(pmask) == 40

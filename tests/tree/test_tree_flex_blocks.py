@@ -52,9 +52,10 @@ def test_tree_block_masks_are_what_the_trie_allows_read_like_the_kernel(seed, ro
                 assert torch.equal(mine[name], reference[name]), (name, window)
 
 
-def _kernel_flex_entry(query, key, value, block_mask, score_mod, scale, enable_gqa, aux):
+def _kernel_flex_entry(query, key, value, block_mask, score_mod, scale, enable_gqa, kernel_options, aux):
     """Stands in for flex_attention: attention as the CUDA kernel reads ``block_mask``."""
     assert not aux, "these models request no log-sum-exp"
+    assert kernel_options is None  # CPU: no Triton kernel options
     return kernel_attention(query, key, value, block_mask, scale, score_mod)
 
 

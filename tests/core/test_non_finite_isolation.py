@@ -261,12 +261,15 @@ def test_tree_scoring(backend, merge):
         assert_isolated(run, bad=bad, clean_tokens=_clean_tokens(ids, mask, bad), model=model, grads=False)
 
 
-@pytest.mark.parametrize("backend", ["expand", "flex"])
+@pytest.mark.parametrize("backend", ["expand", "expand-cuda-path", "flex"])
 @pytest.mark.parametrize("entry", ["compute", "chunked"])
-def test_tree_gradients(backend, entry, monkeypatch):
+def test_tree_gradients(backend, entry, request, monkeypatch):
     model = _model()
     if backend == "flex":
         allow_flex_backward_on_cpu(monkeypatch)
+    elif backend == "expand-cuda-path":  # the gathers recomputed in backward (activation checkpointing of attention)
+        request.getfixturevalue("fused_path_on_cpu")
+        backend = "expand"
     ids, mask, score, bad = tree_batch()
 
     def run():

@@ -127,9 +127,17 @@ def check_options(temperature, backend, token_budget=None) -> tuple[float, int |
     return temperature, token_budget
 
 
+def check_has_data(name: str, tensor: torch.Tensor) -> None:
+    """Refuse a meta tensor (a shape without data) by ``name``: copying it to the model's device would fail inside
+    torch with a message that names no argument."""
+    if tensor.is_meta:
+        raise ValueError(f"{name} is a meta tensor (a shape without data); pass it on a real device")
+
+
 def _as_id_tensor(name: str, value, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A (rows, length) int64 tensor from a tensor or a list of id lists; for lists also the padding mask."""
     if isinstance(value, torch.Tensor):
+        check_has_data(name, value)
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise TypeError(f"{name} must hold integer token ids, got dtype {value.dtype}")
         if value.dim() != 2:
@@ -156,6 +164,7 @@ def check_mask(name: str, mask, shape, device) -> torch.Tensor:
     """``mask`` as a bool tensor on ``device``: a tensor of ``shape``, bool or integer 0/1; errors name ``name``."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(mask).__name__}")
+    check_has_data(name, mask)
     if tuple(mask.shape) != tuple(shape):
         raise ValueError(f"{name} has shape {tuple(mask.shape)} but its ids have shape {tuple(shape)}")
     if mask.dtype != torch.bool:

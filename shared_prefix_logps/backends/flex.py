@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from ..forward.context import CaptureContext, SharedContext, cached
 from .flex_blocks import BLOCK_SIZE, Links, Segments, concat_segments, segments_of, structured_block_mask
 from .flex_kernel_options import kernel_options
+from .non_finite import NonFiniteGuard
 
 #: Packed lengths are padded up to a multiple of this inside the attention call: the block size of the masks.
 LENGTH_BUCKET = BLOCK_SIZE
@@ -440,6 +441,10 @@ def _attend(query, key, value, block_mask, q_len, n, options, kv_len=None):
     kv_len = q_len if kv_len is None else kv_len
     sinks = options.get("sinks")
     v_head_dim = value.shape[3]
+    # One row's NaN or inf stays in its row (the kernel's masked weights would multiply it by zero): non_finite.
+    probe = functools.partial(_flex_call, block_mask=block_mask, scale=1.0, score_mod=None)
+    guard = NonFiniteGuard(probe, q_len, kv_len, width=max(16, MIN_HEAD_DIM.get(query.device.type, 0)))
+    query, key, value = guard.inputs(query, key, value)
     query, key, value = _widen_heads(query, key, value)
     out = _flex_call(
         _pad_seq(query, q_len),
@@ -452,7 +457,7 @@ def _attend(query, key, value, block_mask, q_len, n, options, kv_len=None):
     )
     if sinks is not None:
         out = _apply_sinks(*out, sinks)
-    return out[:, :, :n, :v_head_dim].transpose(1, 2).contiguous()
+    return guard.output(out[:, :, :n, :v_head_dim]).transpose(1, 2).contiguous()
 
 
 def _widen_heads(query, key, value):

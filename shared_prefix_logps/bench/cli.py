@@ -7,18 +7,52 @@ import itertools
 import sys
 from pathlib import Path
 
-import torch
-
-from .run_info import load_average, progress_bar, run_meta, set_cpu_threads
+# torch, transformers and the benchmark's modules are imported by the commands that run, not here: `--help` of every
+# subcommand answers without loading them.
 
 #: The methods `bench` runs on GRPO-shaped batches when --methods is not given.
 DEFAULT_METHODS = "dense,trl,kv_expand,prefix_grouper,liger,expand,flex,chunked"
 
+#: `bench` defaults that depend on whether CUDA is there: (with CUDA, without), filled in by :func:`fill_cuda_defaults`.
+BENCH_CUDA_DEFAULTS = {
+    "model": ("qwen2.5-1.5b", "tiny"),
+    "prompt_len": ([1024], [64]),
+    "completion_len": ([256], [16]),
+    "device": ("cuda", "cpu"),
+}
+
+
+def fill_cuda_defaults(args, defaults: dict) -> None:
+    """Fill the options left unset (None) in ``args`` from ``defaults`` (option -> (with CUDA, without))."""
+    unset = [name for name in defaults if getattr(args, name) is None]
+    if unset:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        for name in unset:
+            setattr(args, name, defaults[name][0 if cuda else 1])
+
+
+def build_bench_model(args, dtype, device):
+    """The model ``bench`` runs (``--model``: a preset or a config.json, ``--layers``), in eval mode; a bad
+    ``--model`` or ``--layers`` exits naming the option."""
+    from .presets import build_model
+
+    try:
+        model = build_model(args.model, dtype=dtype, device=device, layers=args.layers)
+    except ValueError as error:
+        option = "--layers" if str(error).startswith("layers") else "--model"
+        raise SystemExit(f"{option}: {error}") from None
+    model.train(False)
+    return model
+
 
 def _bench(args) -> int:
+    import torch
+
     from .methods import METHODS
-    from .presets import build_preset
     from .report import FLOP_BOUND_TOLERANCE, RecordStream, beyond_flop_bound, markdown_table, write_json, write_plots
+    from .run_info import load_average, progress_bar, run_meta, set_cpu_threads
     from .runner import Shape, find_max_generations, run_sweep
 
     device = torch.device(args.device)
@@ -28,14 +62,15 @@ def _bench(args) -> int:
         raise SystemExit(f"--{error}") from None
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise SystemExit(f"--methods: no method given; choose from {', '.join(METHODS)}")
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     workloads = [w.strip() for w in args.workloads.split(",")]
     if not set(workloads) <= {"score", "train"}:
         raise SystemExit("--workloads takes score and/or train")
-    model = build_preset(args.preset, dtype=dtype, device=device, layers=args.layers)
-    model.train(False)
+    model = build_bench_model(args, dtype, device)
     try:
         shapes = [
             Shape(args.prompts, p, c, g)
@@ -149,28 +184,35 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time, peak memory, agreement with dense, token counts and floors of each method on GRPO-shaped "
         "batches (B prompts x G completions); one record per method, shape and workload.",
     )
-    cuda = torch.cuda.is_available()
+    with_cuda = {name: values[0] for name, values in BENCH_CUDA_DEFAULTS.items()}
+    without = {name: values[1] for name, values in BENCH_CUDA_DEFAULTS.items()}
     bench.add_argument(
+        "--model",
         "--preset",
-        default="qwen2.5-1.5b" if cuda else "tiny",
-        choices=sorted(PRESETS),
-        help="model shape, built from a config with random weights (default: %(default)s)",
+        dest="model",
+        default=None,
+        help=f"model shape, built with random weights: a preset ({', '.join(sorted(PRESETS))}) or a config.json path "
+        f"(or its directory) (default: {with_cuda['model']} with CUDA, {without['model']} without)",
     )
-    bench.add_argument("--layers", type=int, default=None, help="override the preset's depth")
+    bench.add_argument(
+        "--layers", type=int, default=None, help="override the preset's depth, or keep a config's first layers"
+    )
     bench.add_argument("--prompts", type=int, default=2, help="B, prompts per batch (default: %(default)s)")
     bench.add_argument(
         "--prompt-len",
         type=int,
         nargs="+",
-        default=[1024 if cuda else 64],
-        help="P, the longest prompt's real tokens; several values sweep (default: %(default)s)",
+        default=None,
+        help="P, the longest prompt's real tokens; several values sweep "
+        f"(default: {with_cuda['prompt_len'][0]} with CUDA, {without['prompt_len'][0]} without)",
     )
     bench.add_argument(
         "--completion-len",
         type=int,
         nargs="+",
-        default=[256 if cuda else 16],
-        help="C, completion width (C/2..C real tokens each); several values sweep (default: %(default)s)",
+        default=None,
+        help="C, completion width (C/2..C real tokens each); several values sweep "
+        f"(default: {with_cuda['completion_len'][0]} with CUDA, {without['completion_len'][0]} without)",
     )
     bench.add_argument(
         "--generations", type=int, nargs="+", default=[8], help="G, completions per prompt; several values sweep"
@@ -187,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="score (no-grad log-probs) and/or train (forward + backward), comma-separated",
     )
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats per method; the median is kept")
-    bench.add_argument("--device", default="cuda" if cuda else "cpu", help="cuda or cpu (default: %(default)s)")
+    bench.add_argument("--device", default=None, help="cuda or cpu (default: cuda where it is available)")
     bench.add_argument(
         "--dtype", choices=["bf16", "fp32"], default=None, help="model dtype (default: bf16 on CUDA, fp32 on CPU)"
     )
@@ -259,6 +301,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "plan":
         return plan_cli.run(args)
+    fill_cuda_defaults(args, BENCH_CUDA_DEFAULTS)
     if args.tree_workload:
         from .tree_runner import run_tree_bench
 

@@ -48,10 +48,10 @@ def device_name(device: torch.device) -> str:
 
 
 def run_meta(args, dtype: torch.dtype, device: torch.device, load_before: list[float] | None, **extra) -> dict:
-    """What a results file records about its run: preset, dtype, device, versions, commit, threads, the load
-    average before (``load_before``) and now, and ``extra``."""
+    """What a results file records about its run: preset (the ``--model`` given: a preset name or a config path),
+    dtype, device, versions, commit, threads, the load average before (``load_before``) and now, and ``extra``."""
     return dict(
-        preset=args.preset,
+        preset=args.model,
         layers=args.layers,
         dtype=str(dtype),
         device=device_name(device),

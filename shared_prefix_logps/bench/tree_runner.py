@@ -158,9 +158,21 @@ def build_workload(name: str, options: dict, vocab: int) -> tuple[TreeWorkload, 
     unknown = sorted(set(options) - set(parameters))
     if unknown:
         raise ValueError(f"tree option(s) {unknown} unknown to {name}; it takes {', '.join(parameters)}")
+    negative = sorted(key for key, value in options.items() if value < 0)
+    if negative:
+        raise ValueError(f"tree option(s) {negative} must not be negative")
+    if not 1 <= options.get("vocab", vocab) <= vocab:
+        raise ValueError(f"tree option vocab={options['vocab']} must be in [1, {vocab}], the model's vocabulary")
     kwargs = {key: p.default for key, p in parameters.items()}
-    kwargs.update(vocab=vocab, **options)
-    return builder(**kwargs), kwargs
+    kwargs.update({"vocab": vocab, **options})
+    workload = builder(**kwargs)
+    if not bool(workload.score_mask.any()):
+        raise ValueError(f"{name} with {_describe(options)} scores no token; each count it takes must be positive")
+    return workload, kwargs
+
+
+def _describe(options: dict) -> str:
+    return ", ".join(f"{key}={value}" for key, value in options.items()) or "its defaults"
 
 
 def parse_options(items: list[str] | None) -> dict[str, int]:
@@ -189,7 +201,7 @@ def run_tree_bench(args, *, methods_given: bool) -> int:
     import sys
     from pathlib import Path
 
-    from .presets import build_preset
+    from .cli import build_bench_model
     from .report import RecordStream, write_json
     from .tree_report import markdown_report, markdown_table
 
@@ -207,8 +219,7 @@ def run_tree_bench(args, *, methods_given: bool) -> int:
     if not set(workloads) <= {"score", "train"}:
         raise SystemExit("--workloads takes score and/or train")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    model = build_preset(args.preset, dtype=dtype, device=device, layers=args.layers)
-    model.train(False)
+    model = build_bench_model(args, dtype, device)
     try:
         workload, kwargs = build_workload(args.tree_workload, options, model.config.vocab_size)
     except (ValueError, TypeError) as error:

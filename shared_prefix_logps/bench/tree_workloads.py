@@ -40,6 +40,8 @@ class TreeWorkload:
 
 
 def _pack(name: str, rows: list[tuple[list[int], list[bool], int]]) -> TreeWorkload:
+    if not rows:
+        raise ValueError(f"{name}: no rows (a count of prompts, conversations or completions is 0)")
     width = max(len(tokens) for tokens, _, _ in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.bool)

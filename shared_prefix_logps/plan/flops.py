@@ -2,12 +2,13 @@
 
 A matmul of (m, k) by (k, n) is 2 m k n FLOPs (``torch.utils.flop_counter`` counts the same); backward is twice
 the forward (gradients of both operands). Per token and layer the body's projections and gated MLP cost
-2 x (H (h d + g (d + dv)) + h dv H + 3 H I). Attention costs 2 x h x (d + dv) per (query, visible key) pair; the
-counted pairs are what the kernels compute: full rows' causal SDPA is counted by ``FlopCounterMode`` as the whole
-(T x T) square (it does not know about causality), the shared path's Phase 2 as C x (Lp + C) per row. ``dense``
-forwards each row's real prompt tokens (no prompt pads) and C completion columns; ``trl`` padded rows of P + C. The
-head is 2 x H x V per scored token (the dense path computes C + 1 positions per row, TRL's CPU fallback every
-position).
+2 x (H (h d + g (d + dv)) + h dv H + 3 H I); in a mixture-of-experts layer I is the width of the token's top-k
+experts and the shared ones, plus the router's H x E. Attention costs 2 x h x (d + dv) per (query, visible key)
+pair; the counted pairs are what the kernels compute: full rows' causal SDPA is counted by ``FlopCounterMode`` as
+the whole (T x T) square (it does not know about causality), the shared path's Phase 2 as C x (Lp + C) per row.
+``dense`` forwards each row's real prompt tokens (no prompt pads) and C completion columns; ``trl`` padded rows of
+P + C. The head is 2 x H x V per scored token (the dense path computes C + 1 positions per row, TRL's CPU fallback
+every position).
 
 These are the FLOPs each method executes; ``bench.flops`` counts the real work a method must do (causal pairs, the
 real completion tokens), for the floors, a different quantity.
@@ -34,12 +35,10 @@ class FlopCount:
 
 
 def body_flops_per_token(dims: ModelDims) -> int:
-    """Forward FLOPs of one token through one layer's projections and MLP."""
-    q = dims.heads * dims.head_dim
-    kv = dims.kv_heads * (dims.head_dim + dims.v_head_dim)
-    return 2 * (
-        dims.hidden * (q + kv) + dims.heads * dims.v_head_dim * dims.hidden + 3 * dims.hidden * dims.intermediate
-    )
+    """Forward FLOPs of one token through one layer's projections and MLP, averaged over the layers: in a
+    mixture-of-experts layer the router and the token's top-k experts (and the shared ones), not every expert."""
+    mlp = 3 * dims.hidden * dims.mlp_width + dims.hidden * dims.router_width
+    return round(2 * (dims.attention_weights + mlp))
 
 
 def attention_flops(dims: ModelDims, queries: int, keys: int) -> int:

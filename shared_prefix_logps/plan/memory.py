@@ -11,7 +11,9 @@ Saved for backward per token and layer (what a Llama/Qwen layer's autograd graph
                                     residual is upcast into a copy, which the norms' terms count)
     q, k, v         (h d + g (d + dv)) x s   post-RoPE, saved by SDPA
     attention out   h dv x s + 4h   and its float32 log-sum-exp
-    gated MLP       4 I x s         gate, silu(gate), up, their product
+    gated MLP       4 I x s         gate, silu(gate), up, their product (mixture of experts: I of the token's
+                                    top-k experts and the shared ones, its copies gathered into and out of the
+                                    experts, the router's float32 logits and probabilities, averaged over layers)
 With gradient checkpointing only the layer input (H x s) stays; one layer's terms come back during backward.
 
 Per method (``dense`` forwards R rows of their real prompt tokens and C completion columns, without a padding
@@ -86,14 +88,23 @@ class MemoryPlan:
 
 
 def layer_bytes_per_token(dims: ModelDims, s: int) -> int:
-    """Bytes one token saves for backward in one decoder layer (module docstring)."""
+    """Bytes one token saves for backward in one decoder layer (module docstring), averaged over the layers."""
     norms = 2 * (8 * dims.hidden + 4)
     # A float32 residual is what the norm's float32 upcast aliases (and saves); a half-precision one is upcast
     # into a copy (counted in the norms) and saved by nothing.
     residuals = 2 * dims.hidden * s if s == 4 else 0
     qkv = (dims.heads * dims.head_dim + dims.kv_heads * (dims.head_dim + dims.v_head_dim)) * s
     attention_out = dims.heads * dims.v_head_dim * s + 4 * dims.heads
-    return norms + residuals + qkv + attention_out + 4 * dims.intermediate * s
+    return round(norms + residuals + qkv + attention_out + 4 * dims.mlp_width * s + _routing_bytes_per_token(dims, s))
+
+
+def _routing_bytes_per_token(dims: ModelDims, s: int) -> float:
+    """What a mixture-of-experts layer saves per token beyond its experts' gated MLPs, averaged over the layers: the
+    router's float32 logits and probabilities, and the token's copies gathered into and out of its top-k experts."""
+    if dims.experts is None:
+        return 0
+    share = dims.moe_layers / dims.layers
+    return share * (8 * dims.experts.count + 2 * dims.experts.per_token * dims.hidden * s)
 
 
 def final_norm_bytes_per_token(dims: ModelDims, s: int) -> int:
@@ -103,8 +114,8 @@ def final_norm_bytes_per_token(dims: ModelDims, s: int) -> int:
 
 def layer_transient_bytes_per_token(dims: ModelDims, s: int) -> int:
     """The largest moment inside one layer without gradients: the input and the residual, the MLP's normalized
-    input, silu(gate), up and their product."""
-    return 3 * dims.hidden * s + 3 * dims.intermediate * s
+    input, silu(gate), up and their product (the widest layer's: a MoE layer's top-k and shared experts)."""
+    return 3 * dims.hidden * s + 3 * dims.widest_mlp * s
 
 
 class _Moments:

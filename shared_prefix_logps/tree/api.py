@@ -69,7 +69,13 @@ def compute_logps_tree(
 
     Returns:
         :class:`LogpsOutput` with (N, L) float32 ``logps`` (and ``entropy``), 0 where not scored, and ``mask`` =
-        ``score_mask``.
+        ``score_mask``. With gradients the zeros of a batch whose every row is empty (all padding) still come out of
+        a forward of the model (one token), as ``backend="dense"``'s do: a loss built from them back-propagates and
+        gives every parameter a zero gradient.
+
+    Raises:
+        ValueError: naming the argument: ``input_ids`` without columns, meta tensors (the inputs or the model's
+            weights), masks of another shape, padding inside a row, scores on padding or on a row's first token.
     """
     check_options(temperature, backend, token_budget)
     merge_below = merge_threshold(merge_tiny_nodes)
@@ -143,6 +149,12 @@ def score_tree_rows(
             padding = torch.stack(zeros).sum()
             logps = logps + padding
             entropy = None if entropy is None else entropy + padding
+    if trie.num_nodes == 0 and torch.is_grad_enabled() and not logps.requires_grad:
+        # Every row empty: the zeros still hang off one one-token forward of the model (as the dense forward's
+        # do), so that a loss built from them back-propagates and gives every parameter a zero gradient.
+        zero = one_token_zero(prepared)
+        logps = logps + zero
+        entropy = None if entropy is None else entropy + zero
     if trie.num_nodes == 0 or (pairs.target.numel() == 0 and not torch.is_grad_enabled() and router is None):
         out = LogpsOutput(logps, entropy, rows.score_mask)
         if router is not None:

@@ -69,14 +69,17 @@ def _expanded_tree_attention(module, query, key, value, context: TreeContext, wi
         )
     )
 
-    def unpack(tensor):  # (1, h, T, d) -> (S, h, Lmax, d)
-        return tensor[0][:, rows].transpose(0, 1)
+    def unpack(tensor):  # (1, h, T, d) -> (S, h, Lmax, d), zeros past each node's end
+        return only_valid(tensor[0][:, rows].transpose(0, 1), call.pack_valid)
+
+    def ancestors_of(stored):  # (h, A_total, d) -> (S, h, A, d), zeros past each node's ancestors
+        return only_valid(stored[:, index].transpose(0, 1), call.ancestor_valid)
 
     def attend(query, key, value, *store):
         keys, values = unpack(key), unpack(value)
         if store:
-            keys = torch.cat([store[0][:, index].transpose(0, 1), keys], dim=2)
-            values = torch.cat([store[1][:, index].transpose(0, 1), values], dim=2)
+            keys = torch.cat([ancestors_of(store[0]), keys], dim=2)
+            values = torch.cat([ancestors_of(store[1]), values], dim=2)
         output = masked_attention(unpack(query), keys, values, mask, is_causal=causal, **options)
         return output[call.pack_valid][None]  # (S, Lmax, heads, v_head_dim) -> (1, T, heads, v_head_dim)
 
@@ -84,6 +87,18 @@ def _expanded_tree_attention(module, query, key, value, context: TreeContext, wi
     if expand.on_fused_path(query.device) and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return torch.utils.checkpoint.checkpoint(attend, *tensors, use_reentrant=False)
     return attend(*tensors)
+
+
+def only_valid(gathered: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``gathered`` (S, heads, L, d) with zeros where ``valid`` (S, L) is False.
+
+    Slots past a node's end (or its ancestors') gather the call's (or the store's) token 0, another node's token. The
+    mask hides them from every query, but attention multiplies a hidden value by its zero weight, and 0 x NaN is
+    NaN: a non-finite state of one row would reach every node padded in the same call, and a padded query computing
+    over NaN would send NaN into the gradients of its node's keys. Selecting zeros (not multiplying by a 0/1 mask,
+    which keeps NaN) keeps a row's non-finite values in its row.
+    """
+    return torch.where(valid[:, None, :, None], gathered, gathered.new_zeros(()))
 
 
 def node_mask(call, window, dtype: torch.dtype, *, shared: bool = False) -> torch.Tensor:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..inputs import check_mask, check_rope_length
+from ..inputs import check_has_data, check_mask, check_rope_length
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,13 @@ def check_tree_rows(input_ids, attention_mask, score_mask, *, model) -> TreeRows
         raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
     if input_ids.dim() != 2 or input_ids.shape[0] == 0:
         raise ValueError(f"input_ids must be 2-D (rows, length) with at least one row, got {tuple(input_ids.shape)}")
+    if input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids has no columns, shape {tuple(input_ids.shape)}: rows need at least one position")
     if attention_mask is None:
         raise ValueError("attention_mask is required: masks come from attention masks, never from token ids")
     if score_mask is None:
         raise ValueError("score_mask is required: True at the positions whose log-prob is wanted")
+    check_has_data("input_ids", input_ids)  # the masks' are checked with their shapes
     ids = input_ids.to(device=device, dtype=torch.long)
     mask = check_mask("attention_mask", attention_mask, ids.shape, device)
     scored = check_mask("score_mask", score_mask, ids.shape, device)

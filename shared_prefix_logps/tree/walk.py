@@ -19,6 +19,7 @@ import torch
 from ..output import LogpsOutput
 from .context import TreeContext
 from .forward import forward_call
+from .lockstep import one_token_zero
 from .plan import CallPlanner, scored_pairs
 
 
@@ -71,6 +72,8 @@ class TreeWalk:
     ):
         self.prepared, self.trie, self.rows, self.driver, self.packed = prepared, trie, rows, driver, packed
         self.agreement = agreement
+        # (output, leaf) of the one-token forward that stands in for node calls when every row is empty.
+        self.placeholder: tuple[torch.Tensor, torch.Tensor] | None = None
         self.router_top_k = router_top_k
         self.node_router: list = []  # (nodes, their router statistics) per node call, when requested
         self.temperature, self.return_entropy = temperature, return_entropy
@@ -147,7 +150,12 @@ class TreeWalk:
         elif torch.is_grad_enabled():
             # Nothing scored: a zero result still hangs off the walk's leaves, so that a loss built from it reaches
             # every call's backward (parameters get zero gradients, as from autograd of the one graph).
-            anchor = sum(leaf.sum() * 0.0 for call in self.calls.values() for leaf in call.leaves if leaf.requires_grad)
+            if self.trie.num_nodes == 0 and self.placeholder is None:
+                self._forward_placeholder()
+            leaves = [leaf for call in self.calls.values() for leaf in call.leaves]
+            if self.placeholder is not None:
+                leaves.append(self.placeholder[1])
+            anchor = sum(leaf.sum() * 0.0 for leaf in leaves if leaf.requires_grad)
             logps = logps + anchor
             entropy = None if entropy is None else entropy + anchor
         return LogpsOutput(logps, entropy, score)
@@ -181,9 +189,26 @@ class TreeWalk:
         self.pair_call[call.head_pairs] = call_id
         self.pair_local[call.head_pairs] = torch.arange(call.head_pairs.numel())
 
+    def _forward_placeholder(self) -> None:
+        """Every row is empty, so no node call exists: one one-token forward of the model stands in for them (as the
+        dense forward's rows do), so that the chunks' losses back-propagate through the model and every parameter
+        gets a zero gradient, as with rows that are not empty."""
+        if self.agreement is not None:
+            self.agreement.before_forward()
+        zero = one_token_zero(self.prepared)
+        self.placeholder = (zero, zero.detach().requires_grad_(zero.requires_grad))
+
     def finish_rows(self, chunk: torch.Tensor) -> None:
         """Count the chunk's rows as done; back-propagate and free every call nothing later needs, descendants
         first (they were planned later), so a call's leaves hold every descendant's gradient when it runs."""
+        if self.placeholder is not None and all(not self.paths[row] for row in chunk.tolist()):
+            zero, leaf = self.placeholder
+            self.placeholder = None
+            tensors, grads = ([zero], [leaf.grad]) if leaf.grad is not None else ([], [])
+            if self.agreement is not None:
+                self.agreement.backward(tensors, grads)
+            elif tensors:
+                self.driver.tensors(tensors, grads)
         for row in chunk.tolist():
             for node in self.paths[row]:
                 self.remaining[node] -= 1

@@ -47,8 +47,17 @@ Known limits (see :mod:`.families` for each family):
   every node) is not used yet; transformers' torch fallbacks ignore ``cu_seqlens``, so this module never passes it.
 """
 
+from .call import RECURRENT_CALL_KWARG, RecurrentCall, install, uninstall
 from .layer import run_from_states
 from .spans import NodeSpans
 from .state import RecurrentState
 
-__all__ = ["NodeSpans", "RecurrentState", "run_from_states"]
+__all__ = [
+    "RECURRENT_CALL_KWARG",
+    "NodeSpans",
+    "RecurrentCall",
+    "RecurrentState",
+    "install",
+    "run_from_states",
+    "uninstall",
+]

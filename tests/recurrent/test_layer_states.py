@@ -6,12 +6,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from support.exactness import max_relative_grad_error
 from support.hybrid_models import CONV_KERNEL, GDN_CHUNK_SIZE, HYBRID_FAMILIES, build_hybrid, recurrent_layers
 
 from shared_prefix_logps.recurrent import NodeSpans, RecurrentState, run_from_states
 from shared_prefix_logps.recurrent.cache import state_cache
+from shared_prefix_logps.recurrent.families import MIN_TRANSFORMERS
 from shared_prefix_logps.recurrent.layer import cache_argument
+
+# The state cache speaks the linear-attention cache layer of transformers >= 5.15 (see families.MIN_TRANSFORMERS).
+pytestmark = pytest.mark.skipif(
+    Version(transformers.__version__) < MIN_TRANSFORMERS, reason=f"needs transformers >= {MIN_TRANSFORMERS}"
+)
 
 LENGTH = 2 * GDN_CHUNK_SIZE + 12  # three chunks of the recurrence's kernel
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 from support.exactness import max_relative_grad_error, parameter_grads
 from support.hybrid_models import GDN_CHUNK_SIZE, HYBRID_FAMILIES, VOCAB, build_hybrid, recurrent_layers
 from support.state_forking import (
@@ -21,6 +23,12 @@ from support.state_forking import (
 from transformers import DynamicCache
 
 from shared_prefix_logps.recurrent import install, uninstall
+from shared_prefix_logps.recurrent.families import MIN_TRANSFORMERS
+
+# The state cache speaks the linear-attention cache layer of transformers >= 5.15 (see families.MIN_TRANSFORMERS).
+pytestmark = pytest.mark.skipif(
+    Version(transformers.__version__) < MIN_TRANSFORMERS, reason=f"needs transformers >= {MIN_TRANSFORMERS}"
+)
 
 
 @pytest.fixture

@@ -41,8 +41,9 @@ Known limits (see :mod:`.families` for each family):
 - A one-token node that starts from a state takes the layer's decode path. On CPU (transformers' torch fallbacks)
   Gated DeltaNet's is out of place and exact with gradients; flash-linear-attention's ``fused_recurrent`` kernel has no
   backward, and Mamba2's ``selective_state_update`` overwrites the state it read, so under gradients such a node must
-  not start from a state that needs its gradient (merge one-token inner nodes into their children; run a one-token
-  leaf as two tokens and drop its end state).
+  not start from a state that needs its gradient. A call of leaves (``RecurrentCall(..., keep_ends=False)``, e.g. the
+  completions of one-level sharing) avoids it: its one-token nodes run as two copies of their token through the
+  chunked path. A one-token *inner* node has to be merged into its children (the tiny-node rule) on those kernels.
 - One layer call per distinct node length: the packed ``cu_seqlens`` layout of flash-linear-attention (one call for
   every node) is not used yet; transformers' torch fallbacks ignore ``cu_seqlens``, so this module never passes it.
 """

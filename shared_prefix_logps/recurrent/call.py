@@ -39,14 +39,20 @@ class RecurrentCall:
     Attributes:
         spans: where each node's tokens sit in the layers' input (the same for every layer).
         initial: recurrent layer -> the nodes' initial states (one row per node); empty when every node starts a row.
+        keep_ends: False when no node of the call has children: no end state is recorded, and one-token nodes avoid
+            the layers' one-token decode path (see :func:`~.layer.run_from_states`).
         routes: recurrent layer -> the RouteBox its end state rides on (filled during the forward).
         ends: recurrent layer -> the nodes' end states, set by :meth:`release`.
         finished: set by :meth:`release`; later layer runs are activation-checkpoint recomputations.
     """
 
-    def __init__(self, spans: NodeSpans, initial: Mapping[nn.Module, RecurrentState] | None = None):
+    def __init__(
+        self, spans: NodeSpans, initial: Mapping[nn.Module, RecurrentState] | None = None, *, keep_ends: bool = True
+    ):
         self.spans = spans
         self.initial = dict(initial or {})
+        self.keep_ends = keep_ends
+        self.ran: set[nn.Module] = set()
         self.routes: dict[nn.Module, RouteBox] = {}
         self.layouts: dict[nn.Module, RecurrentState] = {}
         self.ends: dict[nn.Module, RecurrentState] = {}
@@ -107,16 +113,21 @@ def _forking_forward(module: nn.Module, original, *args, **kwargs):
     if call is None:
         return original(*args, **kwargs)
     hidden_states = args[0] if args else kwargs["hidden_states"]
-    if not call.finished and module in call.routes:
-        raise ValueError(
-            f"recurrent layer {type(module).__name__} ran twice in one forward (the same layer object appears more "
-            "than once in the model's layers); its end state would be ambiguous"
-        )
+    if call.keep_ends and not call.finished:
+        if module in call.ran:
+            raise ValueError(
+                f"recurrent layer {type(module).__name__} ran twice in one forward (the same layer object appears more "
+                "than once in the model's layers); its end state would be ambiguous"
+            )
+        call.ran.add(module)
     # The layer's other arguments (its cache, the padding mask, packed-sequence kwargs) describe the caller's batch
     # layout; the spans replace them: each node's tokens run unpadded from the node's own state.
-    output, end = run_from_states(module, hidden_states, call.spans, call.initial_state(module), forward=original)
-    if call.finished:
-        # An activation-checkpoint recomputation in backward: the end states are already in the graph.
+    output, end = run_from_states(
+        module, hidden_states, call.spans, call.initial_state(module), forward=original, keep_ends=call.keep_ends
+    )
+    if call.finished or not call.keep_ends:
+        # Nothing to hand on (a call of leaves), or an activation-checkpoint recomputation in backward (the end
+        # states are already in the graph).
         return output
     box = call.routes[module] = RouteBox()
     call.layouts[module] = end

@@ -46,7 +46,8 @@ def run_from_states(
     initial: RecurrentState | None = None,
     *,
     forward: Callable | None = None,
-) -> tuple[torch.Tensor, RecurrentState]:
+    keep_ends: bool = True,
+) -> tuple[torch.Tensor, RecurrentState | None]:
     """Run recurrent layer ``mixer`` over each node's tokens, node ``n`` starting from row ``n`` of ``initial``.
 
     The nodes go through the layer's own forward (``forward``, default ``mixer.forward``: pass the original when the
@@ -61,11 +62,15 @@ def run_from_states(
         spans: where each of the N nodes' tokens sit in ``hidden_states``.
         initial: the N nodes' initial states (each child's parent's end state, :meth:`RecurrentState.select`);
             None when every node starts a row (zero rows of a given state are equivalent).
+        keep_ends: False when no node has children (leaves): the end states are not returned, and a one-token node
+            that starts from a state runs as two copies of its token, so the layer's chunked path runs instead of
+            its one-token decode path (flash-linear-attention's ``fused_recurrent`` kernel has no backward, Mamba2's
+            ``selective_state_update`` overwrites the state it read); the first copy's output is the token's own.
 
     Returns:
         (output, end): output (rows, columns, out_hidden) in the layer's output dtype, zero outside every span;
-        end: the N nodes' states after their last token. Both differentiable with respect to the layer's parameters,
-        ``hidden_states`` and ``initial``.
+        end: the N nodes' states after their last token (None unless ``keep_ends``). Both differentiable with
+        respect to the layer's parameters, ``hidden_states`` and ``initial``.
     """
     forward = mixer.forward if forward is None else forward
     argument = cache_argument(forward)
@@ -79,8 +84,10 @@ def run_from_states(
         output = forward(hidden, **{argument: cache})
         return output, layer.end_state()
 
-    if spans.covers_rows(rows, columns):
-        return segment(hidden_states, initial)
+    widen_single = not keep_ends and initial is not None
+    if spans.covers_rows(rows, columns) and not (widen_single and columns == 1):
+        output, end = segment(hidden_states, initial)
+        return output, end if keep_ends else None
 
     device = hidden_states.device
     row, start, length = spans.row, spans.start, spans.length
@@ -89,9 +96,12 @@ def run_from_states(
         nodes = (length == size).nonzero().flatten()
         node_rows = row[nodes].to(device)[:, None]
         node_columns = (start[nodes][:, None] + torch.arange(size)).to(device)
+        # A one-token leaf from a state: two copies of the token (see keep_ends); only the first one's output is used.
+        read_columns = node_columns.expand(-1, 2) if size == 1 and widen_single else node_columns
         output, end = segment(
-            hidden_states[node_rows, node_columns], None if initial is None else initial.select(nodes)
+            hidden_states[node_rows, read_columns], None if initial is None else initial.select(nodes)
         )
+        output = output[:, :size]
         order.append(nodes)
         rows_written.append(node_rows.expand(-1, size).reshape(-1))
         columns_written.append(node_columns.reshape(-1))
@@ -101,6 +111,8 @@ def run_from_states(
     output = values.new_zeros((rows, columns, values.shape[-1])).index_put(
         (torch.cat(rows_written), torch.cat(columns_written)), values
     )
+    if not keep_ends:
+        return output, None
     # Back from length groups to node order.
     inverse = torch.argsort(torch.cat(order))
     return output, RecurrentState.cat(ends).select(inverse)

@@ -162,6 +162,28 @@ def test_mamba2_one_token_segments_from_a_state_cannot_back_propagate():
         last.sum().backward()
 
 
+def test_mamba2_one_token_leaves_back_propagate_in_a_call_of_leaves():
+    """What the engine does about it for leaves: with ``keep_ends=False`` a one-token node runs as two copies of its
+    token through the chunked scan, and its output and gradients are the full row's."""
+    model = tiny_family_model("nemotron_h")
+    mixer = recurrent_layers(model, VERDICTS["nemotron_h"])[0]
+    torch.manual_seed(3)
+    hidden = torch.randn(1, 8, model.config.hidden_size, requires_grad=True)
+    children = torch.randn(3, 1, model.config.hidden_size, requires_grad=True)
+    weight = torch.randn(3, model.config.hidden_size)
+    _, end = run_from_states(mixer, hidden, NodeSpans.packed(torch.tensor([8])))
+    spans = NodeSpans.from_mask(torch.ones(3, 1, dtype=torch.bool))
+    out, none = run_from_states(mixer, children, spans, end.select(torch.zeros(3, dtype=torch.long)), keep_ends=False)
+    assert none is None
+    rows = torch.cat([hidden.expand(3, -1, -1), children], 1)
+    reference = mixer(rows)[:, 8]
+    assert (out[:, 0] - reference).abs().max().item() < 1e-5
+    leaves = [hidden, children, *mixer.parameters()]
+    got = torch.autograd.grad((out[:, 0] * weight).sum(), leaves)
+    expected = torch.autograd.grad((reference * weight).sum(), leaves)
+    assert max(((g - e).norm() / e.norm()).item() for g, e in zip(got, expected) if e.norm() > 0) < 1e-4
+
+
 @pytest.mark.parametrize(
     "model_type", ["mamba", "falcon_mamba", "jamba", "zamba", "nemotron_h", "olmo_hybrid", "qwen3_next"]
 )

@@ -107,8 +107,9 @@ class _Levels:
         raise ValueError("node on no row")
 
 
-def _forward_levels(model, levels: _Levels, *, detach_prefix: bool = False):
-    """Forward depth by depth; returns (logits per depth and node's real tokens, forward outputs per depth)."""
+def _forward_levels(model, levels: _Levels, *, detach_prefix: bool = False, leaves_keep_ends: bool = True):
+    """Forward depth by depth (the deepest call with ``keep_ends=leaves_keep_ends``); returns each depth's (logits,
+    mask of real tokens)."""
     cache = DynamicCache(config=model.config)
     ends = None
     history_mask = None  # attention mask of every earlier column, per node of the previous depth
@@ -126,16 +127,19 @@ def _forward_levels(model, levels: _Levels, *, detach_prefix: bool = False):
             attention_mask = torch.cat([history_mask[parent], mask], 1)
             position_ids = lengths[parent][:, None] + torch.arange(ids.shape[1])
             initial = select_states(detach_states(ends) if detach_prefix else ends, parent)
-        logits, ends = forward_nodes(model, ids, attention_mask, position_ids, spans_of(mask), cache, initial)
+        keep_ends = leaves_keep_ends or depth < len(levels.nodes) - 1
+        logits, ends = forward_nodes(
+            model, ids, attention_mask, position_ids, spans_of(mask), cache, initial, keep_ends=keep_ends
+        )
         per_depth.append((logits, mask))
         history_mask = attention_mask
         lengths = mask.sum(1) if depth == 0 else lengths[torch.tensor(levels.parent[depth])] + mask.sum(1)
     return per_depth
 
 
-def _compare_levels(model, levels: _Levels, seed: int = 0):
+def _compare_levels(model, levels: _Levels, seed: int = 0, **options):
     """(max |log-prob diff|, max relative gradient error) of the node-by-node forward against the full rows."""
-    per_depth = _forward_levels(model, levels)
+    per_depth = _forward_levels(model, levels, **options)
     full_ids, full_mask = _left_padded(levels.rows())
     reference = model(input_ids=full_ids, attention_mask=full_mask, position_ids=positions(full_mask)).logits
     generator = torch.Generator().manual_seed(seed)
@@ -165,9 +169,11 @@ def _prompts_and_children(seed: int) -> _Levels:
 
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
-def test_prompts_then_children_equal_the_full_rows(installed, family):
+@pytest.mark.parametrize("leaves_keep_ends", [True, False], ids=["leaves-keep-ends", "leaf-call"])
+def test_prompts_then_children_equal_the_full_rows(installed, family, leaves_keep_ends):
+    """Also as a call of leaves (``keep_ends=False``): its one-token children run as two copies of their token."""
     model = installed(family)
-    logps_error, grad_error = _compare_levels(model, _prompts_and_children(seed=1))
+    logps_error, grad_error = _compare_levels(model, _prompts_and_children(seed=1), leaves_keep_ends=leaves_keep_ends)
     assert logps_error < 1e-5
     assert grad_error < 1e-4
 

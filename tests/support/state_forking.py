@@ -26,9 +26,9 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def forward_nodes(model, input_ids, attention_mask, position_ids, spans, cache, initial=None):
-    """One forward of some nodes: returns (logits, end states per recurrent layer)."""
-    call = RecurrentCall(spans, initial)
+def forward_nodes(model, input_ids, attention_mask, position_ids, spans, cache, initial=None, *, keep_ends=True):
+    """One forward of some nodes: returns (logits, end states per recurrent layer; empty unless ``keep_ends``)."""
+    call = RecurrentCall(spans, initial, keep_ends=keep_ends)
     output = model(
         input_ids=input_ids,
         attention_mask=attention_mask,

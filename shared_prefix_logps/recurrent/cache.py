@@ -21,21 +21,15 @@ import torch.nn.functional as F
 
 from .state import RecurrentState
 
-try:  # transformers >= 5.14; older versions have no linear-attention cache layer (see .families)
+try:  # transformers >= 5.5 (the channel this module speaks is that of >= 5.15, see .families)
     from transformers.cache_utils import Cache, LinearAttentionCacheLayerMixin
 except ImportError:  # pragma: no cover - exercised only on old transformers
     Cache = LinearAttentionCacheLayerMixin = None
 
 
-def _state_cache_layer_class():
-    if LinearAttentionCacheLayerMixin is None:
-        raise ImportError("this transformers has no LinearAttentionCacheLayerMixin (transformers >= 5.15 needed)")
-    return _StateCacheLayer
-
-
-class _StateCacheLayerBase:
-    """Implementation shared by :class:`StateCacheLayer` (kept apart so that the module imports on transformers
-    without linear-attention cache layers)."""
+class _StateCacheLayerMethods:
+    """The methods of :class:`StateCacheLayer`, apart from its transformers base class so that this module imports
+    on transformers without linear-attention cache layers."""
 
     def __init__(self, start: RecurrentState | None, kernel_size: int | None):
         # A layer without a start reads no state (has_previous_state False): its convolution pads with zeros and
@@ -91,11 +85,8 @@ class _StateCacheLayerBase:
 
 if LinearAttentionCacheLayerMixin is not None:
 
-    class _StateCacheLayer(_StateCacheLayerBase, LinearAttentionCacheLayerMixin):
+    class StateCacheLayer(_StateCacheLayerMethods, LinearAttentionCacheLayerMixin):
         """A linear-attention cache layer that starts from a given state and records its end state out of place."""
-
-        # transformers' Cache.is_recording_past reads this attribute; the mixin sets it per instance.
-        record_past = True
 
 
 def state_cache(layer_idx: int, start: RecurrentState | None, kernel_size: int | None):
@@ -105,6 +96,8 @@ def state_cache(layer_idx: int, start: RecurrentState | None, kernel_size: int |
 
     The cache holds no other layer: a recurrent layer's forward reads only its own entry.
     """
-    layer = _state_cache_layer_class()(start, kernel_size)
+    if LinearAttentionCacheLayerMixin is None:
+        raise ImportError("this transformers has no LinearAttentionCacheLayerMixin (transformers >= 5.15 needed)")
+    layer = StateCacheLayer(start, kernel_size)
     layers = [None] * layer_idx + [layer]
     return Cache(layers=layers), layer

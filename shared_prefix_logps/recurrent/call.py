@@ -41,7 +41,9 @@ class RecurrentCall:
         initial: recurrent layer -> the nodes' initial states (one row per node); empty when every node starts a row.
         keep_ends: False when no node of the call has children: no end state is recorded, and one-token nodes avoid
             the layers' one-token decode path (see :func:`~.layer.run_from_states`).
+        ran: the recurrent layers that ran in this forward (a layer object met twice is refused).
         routes: recurrent layer -> the RouteBox its end state rides on (filled during the forward).
+        layouts: recurrent layer -> its end state as attached (the layout :meth:`release` rebuilds).
         ends: recurrent layer -> the nodes' end states, set by :meth:`release`.
         finished: set by :meth:`release`; later layer runs are activation-checkpoint recomputations.
     """

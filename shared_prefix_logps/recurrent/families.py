@@ -41,14 +41,15 @@ class FamilyVerdict:
         served: this package forks its states (``continues`` and exact at the model level in the test suite).
         layers: class names of its recurrent layers (the modules :func:`install` wraps).
         how: how it continues (continues) or why it cannot; with ``served`` False the refusal's reason.
-        one_token: a one-token segment starting from a state back-propagates into that state (CPU torch fallbacks).
+        one_token: whether a one-token segment starting from a state back-propagates into that state through the
+            layer's decode path on CPU (transformers' torch fallbacks); None where not checked.
     """
 
     continues: bool
     served: bool
     layers: tuple[str, ...]
     how: str
-    one_token: bool = True
+    one_token: bool | None = None
 
 
 _GDN = (
@@ -78,11 +79,16 @@ _NOT_YET = "; not served yet: no model-level exactness test"
 
 #: Every family of transformers 5.24 whose layers keep a recurrent state, by ``config.model_type``.
 VERDICTS: dict[str, FamilyVerdict] = {
-    **dict.fromkeys(("qwen3_5", "qwen3_5_text"), FamilyVerdict(True, True, ("Qwen3_5GatedDeltaNet",), _GDN)),
-    **dict.fromkeys(("qwen3_5_moe", "qwen3_5_moe_text"), FamilyVerdict(True, True, ("Qwen3_5MoeGatedDeltaNet",), _GDN)),
-    "qwen3_next": FamilyVerdict(True, True, ("Qwen3NextGatedDeltaNet",), _GDN),
-    "olmo_hybrid": FamilyVerdict(True, False, ("OlmoHybridGatedDeltaNet",), _GDN + _NOT_YET),
-    "lara_mini": FamilyVerdict(True, False, ("LaraMiniGatedDeltaNet",), _GDN + _NOT_YET),
+    **dict.fromkeys(
+        ("qwen3_5", "qwen3_5_text"), FamilyVerdict(True, True, ("Qwen3_5GatedDeltaNet",), _GDN, one_token=True)
+    ),
+    **dict.fromkeys(
+        ("qwen3_5_moe", "qwen3_5_moe_text"),
+        FamilyVerdict(True, True, ("Qwen3_5MoeGatedDeltaNet",), _GDN, one_token=True),
+    ),
+    "qwen3_next": FamilyVerdict(True, True, ("Qwen3NextGatedDeltaNet",), _GDN, one_token=True),
+    "olmo_hybrid": FamilyVerdict(True, False, ("OlmoHybridGatedDeltaNet",), _GDN + _NOT_YET, one_token=True),
+    "lara_mini": FamilyVerdict(True, False, ("LaraMiniGatedDeltaNet",), _GDN + _NOT_YET, one_token=True),
     **dict.fromkeys(
         ("qwen4_exp", "qwen4_exp_text"),
         FamilyVerdict(
@@ -91,10 +97,11 @@ VERDICTS: dict[str, FamilyVerdict] = {
             ("Qwen4ExpTextGatedDeltaNet",),
             _GDN + "; not served: its attention layers are indexer-selected sparse attention, which the attention "
             "path does not serve",
+            one_token=True,
         ),
     ),
-    "kimi_linear": FamilyVerdict(True, False, ("KimiLinearDeltaAttention",), _KDA + _NOT_YET),
-    "bailing_hybrid": FamilyVerdict(True, False, ("BailingHybridDeltaAttention",), _KDA + _NOT_YET),
+    "kimi_linear": FamilyVerdict(True, False, ("KimiLinearDeltaAttention",), _KDA + _NOT_YET, one_token=True),
+    "bailing_hybrid": FamilyVerdict(True, False, ("BailingHybridDeltaAttention",), _KDA + _NOT_YET, one_token=True),
     **dict.fromkeys(
         ("glm5_next", "glm5_next_text"),
         FamilyVerdict(
@@ -119,7 +126,7 @@ VERDICTS: dict[str, FamilyVerdict] = {
         )
     },
     **{
-        model_type: FamilyVerdict(True, False, (layer,), _SHORT_CONV + _NOT_YET)
+        model_type: FamilyVerdict(True, False, (layer,), _SHORT_CONV + _NOT_YET, one_token=True)
         for model_type, layer in (
             ("lfm2", "Lfm2ShortConv"),
             ("lfm2_moe", "Lfm2MoeShortConv"),

@@ -129,7 +129,7 @@ def _split_against_full(mixer, hidden_size: int, cut: int, length: int = 40):
 
 #: One family per mechanism said to continue (Gated DeltaNet, Kimi delta attention, Mamba2 mixers, short
 #: convolutions), beyond the served ones.
-CONTINUING = ["olmo_hybrid", "kimi_linear", "nemotron_h", "granitemoehybrid", "falcon_h1", "bamba", "lfm2"]
+CONTINUING = ["olmo_hybrid", "kimi_linear", "nemotron_h", "granitemoehybrid", "falcon_h1", "bamba", "lfm2", "lfm2_moe"]
 
 
 @pytest.mark.parametrize("model_type", CONTINUING)
@@ -137,7 +137,10 @@ def test_families_said_to_continue_do_so_through_this_package(model_type):
     assert VERDICTS[model_type].continues
     model = tiny_family_model(model_type)
     mixer = recurrent_layers(model, VERDICTS[model_type])[0]
-    for cut in (1, 17, 30):  # a one-token prefix, inside the Mamba2 chunk (16), multi-token suffixes
+    # A one-token prefix, inside the Mamba2 chunk (16), multi-token suffixes; a one-token suffix where the verdict
+    # says the decode path back-propagates.
+    cuts = (1, 17, 30, 39) if VERDICTS[model_type].one_token else (1, 17, 30)
+    for cut in cuts:
         output_error, grad_error = _split_against_full(mixer, model.config.hidden_size, cut)
         assert output_error < 1e-5, (cut, output_error)
         assert grad_error < 1e-4, (cut, grad_error)

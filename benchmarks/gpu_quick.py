@@ -547,6 +547,80 @@ def stage_s1(checks: Checks, device) -> None:
         return figures["logps_max_abs"] <= FP32_LOGPS_TOL, figures
 
     checks.run("flex MLA head dim 192 (score)", compile_s, mla_192)
+    checks.run("hybrid state forking (qwen3_5 prompts -> children)", 15 if cuda else 4, _hybrid_forking, device)
+
+
+def _hybrid_forking(device):
+    """A tiny Qwen3.5 (Gated DeltaNet + attention): 3 prompts (1, 3, 66 tokens) forwarded once, 6 children continuing
+    from their end states (recurrent layers, shared_prefix_logps.recurrent) and keys/values (attention layers, the
+    model's own cache), against each full row through the model's own forward: log-probs and every parameter's
+    gradient. On CUDA the layer runs whichever chunked kernel transformers selects there (flash-linear-attention's
+    where it imports, which must return the initial state's gradient)."""
+    import torch
+    import transformers
+    from packaging.version import Version
+    from support.exactness import max_relative_grad_error, parameter_grads
+    from support.hybrid_models import GDN_CHUNK_SIZE, VOCAB, build_hybrid, recurrent_layers
+    from support.state_forking import fork_cache, forward_nodes, positions, select_states, spans_of
+    from transformers import DynamicCache
+
+    from shared_prefix_logps.recurrent import install, uninstall
+    from shared_prefix_logps.recurrent.families import MIN_TRANSFORMERS
+
+    if Version(transformers.__version__) < MIN_TRANSFORMERS:
+        return {"note": f"transformers {transformers.__version__} < {MIN_TRANSFORMERS}: hybrids are refused"}
+    model = build_hybrid("qwen3_5_text").to(device)
+    layers = recurrent_layers(model)
+    install(layers)
+    try:
+        gen = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in (1, 3, GDN_CHUNK_SIZE + 2)]
+        lengths = (4, 1, GDN_CHUNK_SIZE, GDN_CHUNK_SIZE + 1, 2, 30)
+        children = [torch.randint(3, VOCAB, (n,), generator=gen).tolist() for n in lengths]
+        parent_list = [0, 0, 1, 1, 2, 2]
+
+        def padded(rows, left):
+            width = max(len(r) for r in rows)
+            ids = torch.zeros(len(rows), width, dtype=torch.long)
+            mask = torch.zeros(len(rows), width, dtype=torch.bool)
+            for i, row in enumerate(rows):
+                span = slice(width - len(row), width) if left else slice(0, len(row))
+                ids[i, span], mask[i, span] = torch.tensor(row), True
+            return ids.to(device), mask.to(device)
+
+        prompt_ids, prompt_mask = padded(prompts, left=True)
+        cache = DynamicCache(config=model.config)
+        _, ends = forward_nodes(model, prompt_ids, prompt_mask, positions(prompt_mask), spans_of(prompt_mask), cache)
+        parent = torch.tensor(parent_list, device=device)
+        child_ids, child_mask = padded(children, left=False)
+        logits, _ = forward_nodes(
+            model,
+            child_ids,
+            torch.cat([prompt_mask[parent], child_mask], 1),
+            prompt_mask.sum(1)[parent][:, None] + torch.arange(child_ids.shape[1], device=device),
+            spans_of(child_mask),
+            fork_cache(model, cache, parent),
+            select_states(ends, parent),
+            keep_ends=False,
+        )
+        full_ids, full_mask = padded([prompts[p] + c for p, c in zip(parent_list, children)], left=True)
+        reference = model(input_ids=full_ids, attention_mask=full_mask, position_ids=positions(full_mask)).logits
+        weight = torch.randn(logits.shape, generator=gen).to(device)
+        ours = torch.log_softmax(logits.float(), -1)
+        loss, reference_loss, worst = 0.0, 0.0, 0.0
+        width = full_ids.shape[1]
+        for row, child in enumerate(children):
+            got = ours[row, : len(child)]
+            want = torch.log_softmax(reference[row, width - len(child) :].float(), -1)
+            worst = max(worst, float((got - want).abs().max()))
+            loss = loss + (got * weight[row, : len(child)]).sum()
+            reference_loss = reference_loss + (want * weight[row, : len(child)]).sum()
+        grad_error = max_relative_grad_error(parameter_grads(model, loss), parameter_grads(model, reference_loss))
+        kernel = type(layers[0]).__module__
+        figures = {"logps_max_abs": worst, "grad_max_rel": float(grad_error), "layer_module": kernel}
+        return worst <= FP32_LOGPS_TOL and grad_error <= FP32_GRAD_TOL, figures
+    finally:
+        uninstall(layers)
 
 
 # ----------------------------------------------------------------------------------------------------------------

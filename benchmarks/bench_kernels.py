@@ -154,15 +154,17 @@ def _torch_chunked_head(hidden, weight, targets, chunk):
     return torch.cat(outs)
 
 
-def head_chunk_rows(n: int, vocab: int, device: torch.device, requested: int | None = None) -> tuple[int, str]:
+def head_chunk_rows(
+    n: int, vocab: int, device: torch.device, requested: int | None = None, dtype: torch.dtype = torch.float32
+) -> tuple[int, str]:
     """(rows per chunk of the fused head, how they were chosen): ``--chunk-size`` if given, else the size
-    ``linear_logps`` itself picks for ``n`` rows on ``device`` (on CUDA from the memory available now, so call it
-    with the inputs allocated)."""
-    from shared_prefix_logps.kernels.fused_head import cuda_available_bytes, default_chunk_size
+    ``linear_logps`` itself picks for ``n`` rows of ``dtype`` without a softcap on ``device`` (on CUDA from the
+    memory available now, so call it with the inputs allocated)."""
+    from shared_prefix_logps.kernels.fused_head import chunk_logit_bytes, cuda_available_bytes, default_chunk_size
 
     if requested:
         return requested, "--chunk-size"
-    rows = default_chunk_size(n, vocab, device=device)
+    rows = default_chunk_size(n, vocab, device=device, logit_bytes=chunk_logit_bytes(dtype, None))
     if device.type != "cuda":
         return rows, f"default on {device.type}"
     available = cuda_available_bytes(device)
@@ -177,7 +179,7 @@ def bench_head(args, dtype) -> None:
     weight = torch.randn(v, h, device="cuda").to(dtype).requires_grad_()
     targets = torch.randint(0, v, (n,), device="cuda")
     # The size linear_logps picks by itself in a training step, the inputs already allocated (not the CPU budget).
-    chunk, chosen = head_chunk_rows(n, v, hidden.device, args.chunk_size)
+    chunk, chosen = head_chunk_rows(n, v, hidden.device, args.chunk_size, hidden.dtype)
     print(f"\nlinear_logps: hidden ({n}, {h}), weight ({v}, {h}) {dtype}, chunk {chunk} rows ({chosen})")
     fwd_flops, fwdbwd_flops = 2 * n * h * v, 6 * n * h * v
 

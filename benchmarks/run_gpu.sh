@@ -17,11 +17,21 @@
 # Works from a bare checkout without installing the package (it puts the repository on PYTHONPATH) and without .git:
 # the commit comes from $GIT_COMMIT, else `git rev-parse HEAD`, else "unknown". Every step records device, versions
 # and commit in $OUT/env.txt. Steps run even if an earlier one failed; the exit code is non-zero if any failed.
+#
+# Streaming, so that a step stopped at its timeout (or a run stopped from outside) still returns what it produced:
+# every step's output is appended to $OUT/steps.log as it is printed (tee), and every benchmark record to
+# $OUT/bench.jsonl (the bench CLI appends each record to <output>/<name>.jsonl as soon as it is measured; each step's
+# lines are added to $OUT/bench.jsonl when the step ends, stopped or not). The full per-sweep results (JSON, Markdown,
+# plots) go to $RESULTS (default .gpu-results/ in the checkout, not under $OUT). $OUT holds at most 8 files:
+# env.txt, steps.log, bench.jsonl; more is reported as a failure.
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 OUT=${OUT:-out}
-mkdir -p "$OUT"
+RESULTS=${RESULTS:-$ROOT/.gpu-results}
+mkdir -p "$OUT" "$RESULTS"
+LOG="$OUT/steps.log"
+MAX_OUT_FILES=8
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -34,11 +44,23 @@ SWEEP_PROMPT_LENS=(1024 4096 16384)
 status=0
 deps_checked=0
 
-bounded() {  # the command, stopped after $STEP_TIMEOUT seconds (exit code 124, reported)
-    timeout --kill-after=30 "$STEP_TIMEOUT" "$@"
-    local rc=$?
-    [ $rc -eq 124 ] || [ $rc -eq 137 ] && echo "!! stopped after ${STEP_TIMEOUT}s (STEP_TIMEOUT): $*" >&2
-    return $rc
+bounded() {  # the command, stopped after $STEP_TIMEOUT seconds (exit code 124, reported), its output teed to $LOG
+    timeout --kill-after=30 "$STEP_TIMEOUT" "$@" 2>&1 | tee -a "$LOG"
+    local rc=${PIPESTATUS[0]}
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+        echo "!! stopped after ${STEP_TIMEOUT}s (STEP_TIMEOUT): $*" | tee -a "$LOG" >&2
+    fi
+    return "$rc"
+}
+
+header() {  # a step's title, on the console and in $LOG
+    echo "== $* ($(date -u +%FT%TZ))" | tee -a "$LOG"
+}
+
+collect_records() {  # $1: the bench --name of a step: its streamed records appended to $OUT/bench.jsonl
+    local records="$RESULTS/$1.jsonl"
+    [ -f "$records" ] && cat "$records" >>"$OUT/bench.jsonl" && rm -f "$records"
+    return 0
 }
 
 step_deps() {  # pytest and hypothesis, installed when missing (the GPU machine may have no package index)
@@ -54,7 +76,7 @@ step_deps() {  # pytest and hypothesis, installed when missing (the GPU machine 
         fi
     done
     $PY -c "import hypothesis" 2>/dev/null ||
-        echo "without hypothesis, tests/core/test_property_dense.py is reported skipped; the other tests run"
+        echo "without hypothesis, tests/core/test_property.py is reported skipped; the other tests run"
     $PY -c "import pytest" 2>/dev/null || { echo "pytest is missing: the test steps cannot run" >&2; return 1; }
 }
 
@@ -84,40 +106,47 @@ stem() {
     echo "$(date +%F)-$gpu"
 }
 
-step_tests() {  # $1: log name; the rest: pytest selection
+step_tests() {  # $1: the step's name; the rest: pytest selection
     local name=$1
     shift
-    echo "== GPU tests ($name)"
-    [ $deps_checked -eq 1 ] || step_deps
-    $PY -c "import pytest" 2>/dev/null || { echo "pytest is missing: $name not run" >&2; return 1; }
-    bounded $PY -m pytest -m gpu -q -ra -p no:cacheprovider "$@" 2>&1 | tee "$OUT/$name.log"
+    header "GPU tests ($name)"
+    [ $deps_checked -eq 1 ] || step_deps > >(tee -a "$LOG") 2>&1
+    $PY -c "import pytest" 2>/dev/null || { echo "pytest is missing: $name not run" | tee -a "$LOG" >&2; return 1; }
+    bounded $PY -m pytest -m gpu -q -ra -p no:cacheprovider "$@"
 }
 
 step_kernels() {
-    echo "== kernel microbenchmark"
-    bounded $PY benchmarks/bench_kernels.py 2>&1 | tee "$OUT/kernels.txt"
+    header "kernel microbenchmark"
+    bounded $PY benchmarks/bench_kernels.py
+}
+
+step_bench() {  # $1: the bench --name; the rest: bench arguments. Records stream to $RESULTS/$1.jsonl, then $OUT.
+    local name=$1 rc
+    shift
+    bounded $PY -m shared_prefix_logps.bench.cli bench "$@" --output "$RESULTS" --name "$name"
+    rc=$?
+    collect_records "$name"
+    return $rc
 }
 
 step_sweep() {  # $1: workload (score or train); $2: prompt length
-    echo "== standard sweep, $1 (qwen2.5-1.5b, P=$2, C=512)"
-    bounded $PY -m shared_prefix_logps.bench.cli bench --preset qwen2.5-1.5b --prompts 1 --prompt-len "$2" \
-        --completion-len 512 --generations 4 16 64 --methods "$METHODS" --workloads "$1" --repeats "$SWEEP_REPEATS" \
-        --output "$OUT" --name "$(stem)-$1-p$2"
+    header "standard sweep, $1 (qwen2.5-1.5b, P=$2, C=512)"
+    step_bench "$(stem)-$1-p$2" --preset qwen2.5-1.5b --prompts 1 --prompt-len "$2" --completion-len 512 \
+        --generations 4 16 64 --methods "$METHODS" --workloads "$1" --repeats "$SWEEP_REPEATS"
 }
 
 step_maxg() {
-    echo "== largest G that fits (qwen2.5-7b, P=4096, C=1024)"
-    bounded $PY -m shared_prefix_logps.bench.cli bench --preset qwen2.5-7b --prompts 1 --prompt-len 4096 --completion-len 1024 \
-        --generations 1 --methods "$METHODS" --workloads train --repeats 1 --max-generations \
-        --output "$OUT" --name "$(stem)-maxg-7b"
+    header "largest G that fits (qwen2.5-7b, P=4096, C=1024)"
+    step_bench "$(stem)-maxg-7b" --preset qwen2.5-7b --prompts 1 --prompt-len 4096 --completion-len 1024 \
+        --generations 1 --methods "$METHODS" --workloads train --repeats 1 --max-generations
 }
 
 # tests/gpu/test_gpu.py in parts: the parametrized exactness tests per family (their ids name it), then the rest.
 GPU_TESTS=tests/gpu/test_gpu.py
 run() {
     case "$1" in
-        env) step_env ;;
-        deps) step_deps ;;
+        env) step_env > >(tee -a "$LOG") 2>&1 ;;
+        deps) step_deps > >(tee -a "$LOG") 2>&1 ;;
         tests) step_tests gpu-tests tests ;;
         tests-core) step_tests gpu-tests-core tests --ignore=tests/gpu/test_gpu.py ;;
         tests-exact-llama) step_tests gpu-tests-exact-llama $GPU_TESTS -k "(matches_dense or bf16_error) and llama" ;;
@@ -141,8 +170,13 @@ if [ ${#steps[@]} -eq 0 ]; then
     steps+=(maxg)
 fi
 command -v timeout >/dev/null || { echo "run_gpu.sh needs coreutils' timeout to bound its steps" >&2; exit 2; }
-[ "${steps[0]}" = env ] || step_env || status=1
+[ "${steps[0]}" = env ] || run env || status=1
 for name in "${steps[@]}"; do
     run "$name" || status=1
 done
+files=$(find "$OUT" -type f | wc -l)
+if [ "$files" -gt "$MAX_OUT_FILES" ]; then
+    echo "!! $OUT holds $files files, more than $MAX_OUT_FILES" | tee -a "$LOG" >&2
+    status=1
+fi
 exit $status

@@ -51,10 +51,10 @@ def compute_logps(
         temperature: logits are divided by it before the log-softmax.
         return_entropy: also return each position's entropy.
         backend: the layout of every node call (:mod:`~shared_prefix_logps.backends`): ``"auto"`` (``"flex"`` on
-            CUDA, ``"expand"`` elsewhere), ``"expand"`` (each node gathers its ancestors' keys/values; SDPA),
-            ``"flex"`` (packed, no padding, one flex_attention call per layer; backward on CUDA only), ``"flash"``
-            (packed, flash-attn's varlen kernels, ancestors attended in place; CUDA with flash-attn installed) or
-            ``"dense"`` (the conventional full-row forward, for reference).
+            CUDA where its Triton kernels launch, ``"expand"`` elsewhere), ``"expand"`` (each node gathers its
+            ancestors' keys/values; SDPA), ``"flex"`` (packed, no padding, one flex_attention call per layer; backward
+            on CUDA only), ``"flash"`` (packed, flash-attn's varlen kernels, ancestors attended in place; CUDA with
+            flash-attn installed) or ``"dense"`` (the conventional full-row forward, for reference).
         token_budget: under ``torch.no_grad()``, the most tokens a chunk of rows forwards at once (with ``expand`` a
             node also counts the bytes of its mask, gathered keys/values and explicit scores as hidden states' worth
             of tokens: ``engine/budget.py``). Default ``DEFAULT_TOKEN_BUDGET``. Ignored when gradients are enabled.
@@ -168,7 +168,13 @@ def compute_logps_tree(
 
     Returns:
         :class:`LogpsOutput` with (N, L) float32 ``logps`` (and ``entropy``), 0 where not scored, and ``mask`` =
-        ``score_mask``.
+        ``score_mask``. With gradients the zeros of a batch whose every row is empty (all padding) still come out of
+        a forward of the model (one token), as ``backend="dense"``'s do: a loss built from them back-propagates and
+        gives every parameter a zero gradient.
+
+    Raises:
+        ValueError: naming the argument: ``input_ids`` without columns, meta tensors (the inputs or the model's
+            weights), masks of another shape, padding inside a row, scores on padding or on a row's first token.
     """
     temperature, token_budget = check_options(temperature, backend, token_budget)
     merge_below = merge.merge_threshold(merge_tiny_nodes)

@@ -39,45 +39,6 @@ class GroupedBatch:
         """(num_prompts,) int64 true prompt lengths."""
         return self.prompt_mask.sum(1)
 
-    def select_prompts(self, prompt_indices: torch.Tensor) -> tuple[GroupedBatch, torch.Tensor]:
-        """The sub-batch of some prompts and all their completion rows.
-
-        Returns the sub-batch (its ``group_index`` renumbered into ``prompt_indices``) and the (rows,) int64
-        indices of its completion rows in this batch.
-        """
-        local = torch.full((self.prompt_ids.shape[0],), -1, dtype=torch.long, device=self.group_index.device)
-        local[prompt_indices] = torch.arange(prompt_indices.numel(), device=local.device)
-        rows = (local[self.group_index] >= 0).nonzero().squeeze(1)
-        sub = GroupedBatch(
-            prompt_ids=self.prompt_ids[prompt_indices],
-            prompt_mask=self.prompt_mask[prompt_indices],
-            completion_ids=self.completion_ids[rows],
-            completion_mask=self.completion_mask[rows],
-            group_index=local[self.group_index[rows]],
-        )
-        return sub, rows
-
-    def select_rows(self, rows: torch.Tensor) -> GroupedBatch:
-        """The same prompts with only completion ``rows``, trailing all-padding columns dropped (so the result's C
-        can be shorter: callers write results back into the first columns).
-
-        At least one column is kept, a masked one (id 0) added where the completions have none: a grad-enabled
-        forward of rows without a valid token still has a query per row, so its all-zero result comes out of the
-        model's graph.
-        """
-        mask = self.completion_mask[rows]
-        keep = max(int(mask.sum(1).max().item()) if mask.numel() else 0, 1)
-        ids = self.completion_ids[rows, :keep]
-        if ids.shape[1] < keep:  # the completions have no column at all
-            ids, mask = ids.new_zeros(ids.shape[0], keep), mask.new_zeros(mask.shape[0], keep)
-        return GroupedBatch(
-            prompt_ids=self.prompt_ids,
-            prompt_mask=self.prompt_mask,
-            completion_ids=ids,
-            completion_mask=mask[:, :keep],
-            group_index=self.group_index[rows],
-        )
-
 
 @dataclass(frozen=True)
 class TreeRows:
@@ -154,9 +115,17 @@ def check_options(temperature, backend, token_budget=None) -> tuple[float, int |
     return temperature, token_budget
 
 
+def check_has_data(name: str, tensor: torch.Tensor) -> None:
+    """Refuse a meta tensor (a shape without data) by ``name``: copying it to the model's device would fail inside
+    torch with a message that names no argument."""
+    if tensor.is_meta:
+        raise ValueError(f"{name} is a meta tensor (a shape without data); pass it on a real device")
+
+
 def _as_id_tensor(name: str, value, device) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A (rows, length) int64 tensor from a tensor or a list of id lists; for lists also the padding mask."""
     if isinstance(value, torch.Tensor):
+        check_has_data(name, value)
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise TypeError(f"{name} must hold integer token ids, got dtype {value.dtype}")
         if value.dim() != 2:
@@ -183,6 +152,7 @@ def check_mask(name: str, mask, shape, device) -> torch.Tensor:
     """``mask`` as a bool tensor on ``device``: a tensor of ``shape``, bool or integer 0/1; errors name ``name``."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(mask).__name__}")
+    check_has_data(name, mask)
     if tuple(mask.shape) != tuple(shape):
         raise ValueError(f"{name} has shape {tuple(mask.shape)} but its ids have shape {tuple(shape)}")
     if mask.dtype != torch.bool:
@@ -372,10 +342,13 @@ def check_tree_rows(input_ids, attention_mask, score_mask, *, model) -> TreeRows
         raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
     if input_ids.dim() != 2 or input_ids.shape[0] == 0:
         raise ValueError(f"input_ids must be 2-D (rows, length) with at least one row, got {tuple(input_ids.shape)}")
+    if input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids has no columns, shape {tuple(input_ids.shape)}: rows need at least one position")
     if attention_mask is None:
         raise ValueError("attention_mask is required: masks come from attention masks, never from token ids")
     if score_mask is None:
         raise ValueError("score_mask is required: True at the positions whose log-prob is wanted")
+    check_has_data("input_ids", input_ids)  # the masks' are checked with their shapes
     ids = input_ids.to(device=device, dtype=torch.long)
     mask = check_mask("attention_mask", attention_mask, ids.shape, device)
     scored = check_mask("score_mask", score_mask, ids.shape, device)

@@ -42,18 +42,3 @@ def result_zeros(*shape: int, device) -> torch.Tensor:
     ``torch.set_default_dtype(torch.float64)`` plain ``torch.zeros`` would make the outputs float64 and refuse the
     float32 results written into them."""
     return torch.zeros(*shape, dtype=torch.float32, device=device)
-
-
-def write_rows(logps, entropy, rows, values) -> None:
-    """Write (len(rows), c) results into the first c columns of ``rows`` (differentiably)."""
-    part_logps, part_entropy = values
-    width = part_logps.shape[1]
-    logps[rows, :width] = part_logps
-    if entropy is not None:
-        entropy[rows, :width] = part_entropy
-
-
-def scatter_valid(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """(num_valid,) values -> (rows, C) float32 with zeros where ``mask`` is False (differentiable)."""
-    out = values.new_zeros(mask.shape)
-    return out.masked_scatter(mask, values)

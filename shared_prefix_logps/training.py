@@ -157,7 +157,12 @@ def chunked_backward_tree(
             with different tries make the same model calls (:mod:`~shared_prefix_logps.engine.lockstep`).
 
     Returns:
-        The detached :class:`LogpsOutput` of all rows, (N, L).
+        The detached :class:`LogpsOutput` of all rows, (N, L). When every row is empty (all padding), each chunk's
+        zeros still come out of a forward of the model (one token), as with :func:`compute_logps_tree`: ``loss_fn``
+        gets them with a graph, and every parameter's ``.grad`` gets zeros.
+
+    Raises:
+        ValueError: bad rows, named as for :func:`~shared_prefix_logps.compute_logps_tree`.
 
     Notes:
         As for :func:`~shared_prefix_logps.chunked_backward`: every chunk calls backward, and every node call once

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from . import sdpa_kernels
-from .expand_memory import check_explicit_scores, padded_width
+from .expand_memory import AttentionShape, check_explicit_scores, padded_width
 
 
 def cached(cache: dict, key, build):
@@ -76,14 +76,17 @@ def node_attention(query, key, value, call, ancestors, cache: dict, window, opti
             cache, ("expand", window, query.dtype), lambda: node_mask(call, window, query.dtype, shared=uniform)
         )
 
-    def unpack(tensor):  # (1, h, T, d) -> (S, h, Lmax, d)
-        return tensor[0][:, rows].transpose(0, 1)
+    def unpack(tensor):  # (1, h, T, d) -> (S, h, Lmax, d), zeros past each node's end
+        return only_valid(tensor[0][:, rows].transpose(0, 1), call.pack_valid)
+
+    def ancestors_of(stored):  # (h, A_total, d) -> (S, h, A, d), zeros past each node's ancestors
+        return only_valid(stored[:, index].transpose(0, 1), call.ancestor_valid)
 
     def attend(query, key, value, *stored):
         keys, values = unpack(key), unpack(value)
         if stored:
-            keys = torch.cat([stored[0][:, index].transpose(0, 1), keys], dim=2)
-            values = torch.cat([stored[1][:, index].transpose(0, 1), values], dim=2)
+            keys = torch.cat([ancestors_of(stored[0]), keys], dim=2)
+            values = torch.cat([ancestors_of(stored[1]), values], dim=2)
         output = masked_attention(unpack(query), keys, values, mask, is_causal=causal, **options)
         return output[call.pack_valid][None]  # (S, Lmax, heads, v_head_dim) -> (1, T, heads, v_head_dim)
 
@@ -92,6 +95,18 @@ def node_attention(query, key, value, call, ancestors, cache: dict, window, opti
     if store is not None and _fused_path(query) and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return torch.utils.checkpoint.checkpoint(attend, *tensors, use_reentrant=False)
     return attend(*tensors)
+
+
+def only_valid(gathered: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``gathered`` (S, heads, L, d) with zeros where ``valid`` (S, L) is False.
+
+    Slots past a node's end (or its ancestors') gather the call's (or the store's) token 0, another node's token. The
+    mask hides them from every query, but attention multiplies a hidden value by its zero weight, and 0 x NaN is
+    NaN: a non-finite state of one row would reach every node padded in the same call, and a padded query computing
+    over NaN would send NaN into the gradients of its node's keys. Selecting zeros (not multiplying by a 0/1 mask,
+    which keeps NaN) keeps a row's non-finite values in its row.
+    """
+    return torch.where(valid[:, None, :, None], gathered, gathered.new_zeros(()))
 
 
 def node_mask(call, window, dtype: torch.dtype, shared: bool = False) -> torch.Tensor:
@@ -208,7 +223,7 @@ def masked_attention(
 
 #: Device types on which the expand backend takes its fused-kernel path: the SDPA kernel chosen by asking torch
 #: which accepts the call (``sdpa_kernels``), KV heads repeated only for a kernel that rejects grouped heads, the
-#: per-row prefix copies recomputed in backward instead of saved (:func:`gathered_attention`), explicit scores
+#: per-node ancestor copies recomputed in backward instead of saved (:func:`node_attention`), explicit scores
 #: refused above a budget. Tests add "cpu" to run it, and its checks of CUDA's rules, on CPU.
 _FUSED_PATH_DEVICES = {"cuda"}
 
@@ -220,6 +235,40 @@ def _fused_path(tensor: torch.Tensor) -> bool:
 def on_fused_path(device: torch.device) -> bool:
     """Whether the expand backend takes its fused-kernel path on ``device``."""
     return torch.device(device).type in _FUSED_PATH_DEVICES
+
+
+def repeats_kv_heads(
+    shape: AttentionShape, device: torch.device, dtype: torch.dtype, queries: int, keys: int, *, masked: bool
+) -> bool:
+    """Whether a no-grad node call of this layout on ``device`` holds a copy of the keys/values per query head: one
+    node of ``queries`` tokens over ``keys`` keys with an additive mask (``masked``: a call with ancestors, or a
+    window) or causal without one (a call without ancestors).
+
+    The SDPA kernel is chosen as for the real call (:func:`sdpa_kernels.choose` on empty tensors of the call's
+    dtype, sizes and layouts: queries and own keys/values unpacked per node from the packed tokens, a call's
+    [ancestors ; own] keys/values concatenated, the mask's rows aligned). Heads are repeated for a fused kernel that
+    rejects grouped heads, and by the math kernel itself (its ``enable_gqa`` repeats them); a kernel that takes grouped
+    heads natively (cuDNN on sm90, the memory-efficient kernel after torch 2.11) holds no copy. Explicit scores
+    (softcap, sinks) repeat them always. False off the fused-kernel path and without grouped heads.
+    """
+    if not on_fused_path(device) or shape.kv_heads == shape.heads:
+        return False
+    if shape.explicit_scores:
+        return True
+
+    def unpacked(heads, length, dim):  # (1, heads, length, dim) as node_attention unpacks it from the packed tokens
+        return torch.empty(heads, 1, length, dim, dtype=dtype, device=device).transpose(0, 1)
+
+    query = unpacked(shape.heads, queries, shape.head_dim)
+    if masked and queries != keys:  # ancestors and own keys/values concatenated
+        key = torch.empty(1, shape.kv_heads, keys, shape.head_dim, dtype=dtype, device=device)
+        value = torch.empty(1, shape.kv_heads, keys, shape.v_head_dim, dtype=dtype, device=device)
+    else:
+        key, value = unpacked(shape.kv_heads, keys, shape.head_dim), unpacked(shape.kv_heads, keys, shape.v_head_dim)
+    mask = empty_additive_mask((1, 1, queries, keys), dtype, device) if masked else None
+    with torch.no_grad():
+        choice = sdpa_kernels.choose(query, key, value, mask, dropout=0.0, is_causal=not masked)
+    return choice.repeat_kv or choice.kernel == "MATH"
 
 
 def _sdpa(query, key, value, mask, *, dropout, scale, groups, is_causal) -> torch.Tensor:

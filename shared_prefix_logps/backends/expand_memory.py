@@ -22,8 +22,11 @@ attention without a score matrix).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: the planner reads these sizes without it
+    import torch
+
 
 #: Masks are allocated with their last dim rounded up to a multiple of this many elements and handed to SDPA as a
 #: slice: SDPA's memory-efficient kernel copies (pads) a mask whose row stride is not a multiple of 8 in every call,

@@ -16,12 +16,14 @@ flex_attention (which materializes every score). Head dimensions below the kerne
 zero-padded, which changes no result. flex_attention's backward exists on CUDA only; on CPU this backend is
 forward-only and runs uncompiled.
 
-Head dimensions 192 and 256 on CUDA (torch/_inductor/template_heuristics/triton.py, torch 2.13): without
+Head dimensions 192 and 256 on CUDA (torch/_inductor/template_heuristics/triton.py, torch 2.11 and 2.13): without
 max-autotune one configuration per (GPU, dtype, head_dim). 256: H100 bf16/fp16 BLOCK_M x BLOCK_N 64 x 32, 3 stages,
-4 warps (fp32 32 x 32); A100 32 x 64. 192: padded to 256 inside the kernel (QK_HEAD_DIM_ROUNDED, boundary-checked
-loads); no H100 entry, so bf16 takes the default 64 x 64, 3 stages, 4 warps (fp32 32 x 64, 1 stage, 8 warps); A100
-bf16 128 x 32. Backward on sm90 above 128: 64 x 64 blocks, 2 stages. Every block size divides the 128-token blocks
-of the masks built here, which the lowering requires (tests/backends/test_flex_head_dim.py).
+4 warps (fp32 32 x 32); A100 32 x 64. 192: padded to 256 inside the kernel (QK_HEAD_DIM_ROUNDED); no H100 entry for
+bf16 (nor, in 2.11, for fp32), so torch would take the default 64 x 64, 3 stages, 4 warps, whose shared memory at
+256-wide tiles an H100 block does not have: the backend passes the 256 entry instead (:mod:`.flex_kernel_options`,
+which also tells the kernel that every length is a multiple of 128: IS_DIVISIBLE). Backward on sm90 above 128:
+64 x 64 blocks, 2 stages. Every block size divides the 128-token blocks of the masks built here, which the lowering
+requires (tests/backends/test_flex_head_dim.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ import torch.nn.functional as F
 
 from .expand import cached
 from .flex_blocks import BLOCK_SIZE, Links, Segments, concat_segments, run_segments, structured_block_mask
+from .flex_kernel_options import kernel_options
+from .non_finite import NonFiniteGuard
 
 #: Packed lengths are padded up to a multiple of this inside the attention call: the block size of the masks.
 LENGTH_BUCKET = BLOCK_SIZE
@@ -76,18 +80,39 @@ def flex_available(device: torch.device) -> bool:
     return device.type in ("cuda", "cpu")
 
 
+def compiled_kernels_launch(device: torch.device) -> bool:
+    """Whether flex_attention's compiled kernels can launch on ``device``: where it is compiled with inductor
+    (CUDA), inductor's kernels are Triton kernels, whose launcher Triton builds with a C compiler and Python's headers
+    at the first launch, so the launch probe's trial launch decides (``kernels.launch_probe``; once per process).
+    True where flex runs uncompiled."""
+    if _COMPILE_BACKENDS.get(device.type) != "inductor":
+        return True
+    from ..kernels import launch_probe
+
+    return launch_probe.cuda_launch_status(device).ok
+
+
 def backward_available(device: torch.device) -> bool:
     """Whether the flex backend can run with gradients on ``device`` (flex_attention's backward exists there)."""
     return device.type in _BACKWARD_DEVICES
 
 
-def _flex_entry(query, key, value, block_mask, score_mod, scale, enable_gqa, aux):
-    """What is compiled for the attention: flex_attention, with ``aux`` the kwargs that request the log-sum-exp
-    (empty when not requested)."""
+def _flex_entry(query, key, value, block_mask, score_mod, scale, enable_gqa, kernel_options, aux):
+    """What is compiled for the attention: flex_attention, with ``kernel_options`` those of
+    :mod:`.flex_kernel_options` (None off CUDA) and ``aux`` the kwargs that request the log-sum-exp (empty when not
+    requested)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     return flex_attention(
-        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, **aux
+        query,
+        key,
+        value,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        kernel_options=kernel_options,
+        **aux,
     )
 
 
@@ -127,8 +152,8 @@ def _tracing_settings():
     - Floats (the attention scale, a softcap) are constants of a model and part of the configuration: specialized,
       they stay out of the graph's inputs (dynamo otherwise traces them as symbolic values, which flex's backward
       does not take).
-    - No duck sizing: Phase 1 has as many keys as queries, Phase 2 more; with duck sizing the first call would give
-      both lengths one symbol and the other phase would compile again.
+    - No duck sizing: a call without ancestors has as many keys as queries, the others more; with duck sizing the first
+      call would give both lengths one symbol and the other kind of call would compile again.
     """
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch._dynamo.config.patch(specialize_float=True))
@@ -168,8 +193,9 @@ def _flex_call(query, key, value, *, block_mask, scale, score_mod, return_lse=Fa
     else:
         aux = {"return_lse": True}  # torch before AuxRequest
     backend = _COMPILE_BACKENDS.get(query.device.type)
+    options = kernel_options(query.device, query.dtype, query.shape[3])  # a function of the configuration below
     if backend is None:
-        out = _flex_entry(query, key, value, block_mask, score_mod, scale, enable_gqa, aux)
+        out = _flex_entry(query, key, value, block_mask, score_mod, scale, enable_gqa, options, aux)
     else:
         query, key, value = _same_grad_requirement(query, key, value)
         configuration = (
@@ -184,7 +210,9 @@ def _flex_call(query, key, value, *, block_mask, scale, score_mod, return_lse=Fa
             torch.is_grad_enabled(),
         )
         fn = _compiled(_flex_entry, backend, configuration)
-        out = _run_compiled("flex_attention", fn, query, key, value, block_mask, score_mod, scale, enable_gqa, aux)
+        out = _run_compiled(
+            "flex_attention", fn, query, key, value, block_mask, score_mod, scale, enable_gqa, options, aux
+        )
     if "return_aux" in aux:
         return out[0], out[1].lse
     return out
@@ -267,6 +295,10 @@ def _attend(query, key, value, block_mask, q_len, n, options, kv_len=None):
     kv_len = q_len if kv_len is None else kv_len
     sinks = options.get("sinks")
     v_head_dim = value.shape[3]
+    # One row's NaN or inf stays in its row (the kernel's masked weights would multiply it by zero): non_finite.
+    probe = functools.partial(_flex_call, block_mask=block_mask, scale=1.0, score_mod=None)
+    guard = NonFiniteGuard(probe, q_len, kv_len, width=max(16, MIN_HEAD_DIM.get(query.device.type, 0)))
+    query, key, value = guard.inputs(query, key, value)
     query, key, value = _widen_heads(query, key, value)
     out = _flex_call(
         _pad_seq(query, q_len),
@@ -279,7 +311,7 @@ def _attend(query, key, value, block_mask, q_len, n, options, kv_len=None):
     )
     if sinks is not None:
         out = _apply_sinks(*out, sinks)
-    return out[:, :, :n, :v_head_dim].transpose(1, 2).contiguous()
+    return guard.output(out[:, :, :n, :v_head_dim]).transpose(1, 2).contiguous()
 
 
 def _widen_heads(query, key, value):
@@ -357,7 +389,8 @@ def _node_mask_mod(q_node, q_order, q_pos, k_node, k_end, k_order, k_pos, window
 
     The seven tensors are distinct objects (a compiled function guards on aliasing), and ``window`` travels as a
     tensor so that windowed and unwindowed layers share one graph."""
-    limit = torch.tensor(NO_WINDOW if window is None else int(window), device=q_node.device)
+    # Filled on the device, not copied from the host (a pageable copy the host waits for).
+    limit = torch.full((), NO_WINDOW if window is None else int(window), device=q_node.device)
 
     def mask_mod(b, h, q_idx, kv_idx):
         query_node, key_node = q_node[q_idx], k_node[kv_idx]

@@ -81,16 +81,27 @@ def segments_of(owner: torch.Tensor, positions: torch.Tensor, count: int, *, off
         ValueError: if the tokens of a segment are not consecutive or their positions do not advance by one: the
             structure-built mask would not describe the batch.
     """
-    owner = owner.long()
-    if owner.numel() and (bool((owner[1:] < owner[:-1]).any()) or int(owner.min()) < 0 or int(owner.max()) >= count):
+    owner, positions = owner.long(), positions.long()
+    device = owner.device
+    if owner.numel() and count <= 0:
         raise ValueError("owner must be non-decreasing with values in [0, count): segments are runs of tokens")
-    length = torch.bincount(owner, minlength=count)
+    if owner.numel() == 0:
+        empty = torch.zeros(count, dtype=torch.long, device=device)
+        return Segments(start=empty + offset, length=empty, position=empty.clone())
+    # Both checks are read back in one host synchronization, after the work (out-of-range owners are clamped so the
+    # work itself stays in bounds).
+    misordered = (owner[1:] < owner[:-1]).any() | (owner.min() < 0) | (owner.max() >= count)
+    owner_in_range = owner.clamp(0, max(count - 1, 0))
+    length = torch.zeros(count, dtype=torch.long, device=device).index_add_(0, owner_in_range, torch.ones_like(owner))
     first = torch.cumsum(length, 0) - length
-    position = torch.zeros(count, dtype=torch.long, device=owner.device)
-    nonempty = length > 0
-    position[nonempty] = positions[first[nonempty]].long()
-    along = torch.arange(owner.numel(), device=owner.device) - first[owner]
-    if not torch.equal(positions.long(), position[owner] + along):
+    # A segment's first token's position (0 for empty segments); no boolean indexing (a synchronization on CUDA).
+    position = torch.where(length > 0, positions[first.clamp(max=owner.numel() - 1)], 0)
+    along = torch.arange(owner.numel(), device=device) - first[owner_in_range]
+    drifting = (positions != position[owner_in_range] + along).any()
+    misordered, drifting = torch.stack([misordered, drifting]).tolist()
+    if misordered:
+        raise ValueError("owner must be non-decreasing with values in [0, count): segments are runs of tokens")
+    if drifting:
         raise ValueError("positions must advance by one along each segment for a structure-built block mask")
     return Segments(start=first + offset, length=length, position=position)
 
@@ -166,7 +177,8 @@ def structured_block_mask(
     num_q, num_kv = q_len // BLOCK_SIZE, kv_len // BLOCK_SIZE
     q_block, kv_block, visible = _visible_pairs_per_block(queries, keys, links, num_kv, q_len + kv_len, window)
     full = visible == BLOCK_SIZE * BLOCK_SIZE
-    # Pairs come sorted by (q_block, kv_block): rows of the kv-side arrays in ascending block order.
+    # Pairs come sorted by (q_block, kv_block): rows of the kv-side arrays in ascending block order. Partial and full
+    # blocks are written from the same sorted pairs under a mask each (no boolean indexing: no host synchronization).
     parts = {
         "kv_num_blocks": None,
         "kv_indices": None,
@@ -177,15 +189,13 @@ def structured_block_mask(
         "full_q_num_blocks": None,
         "full_q_indices": None,
     }
-    parts["kv_num_blocks"], parts["kv_indices"] = _ordered(q_block[~full], kv_block[~full], num_q, num_kv)
-    parts["full_kv_num_blocks"], parts["full_kv_indices"] = _ordered(q_block[full], kv_block[full], num_q, num_kv)
+    parts["kv_num_blocks"], parts["kv_indices"] = _ordered(q_block, kv_block, ~full, num_q, num_kv)
+    parts["full_kv_num_blocks"], parts["full_kv_indices"] = _ordered(q_block, kv_block, full, num_q, num_kv)
     if q_blocks or not _q_blocks_optional():
-        for prefix, keep in (("", ~full), ("full_", full)):
-            rows, cols = kv_block[keep], q_block[keep]
-            order = torch.argsort(rows * num_q + cols)
-            parts[f"{prefix}q_num_blocks"], parts[f"{prefix}q_indices"] = _ordered(
-                rows[order], cols[order], num_kv, num_q
-            )
+        order = torch.argsort(kv_block * num_q + q_block)
+        rows, cols, full_t = kv_block[order], q_block[order], full[order]
+        parts["q_num_blocks"], parts["q_indices"] = _ordered(rows, cols, ~full_t, num_kv, num_q)
+        parts["full_q_num_blocks"], parts["full_q_indices"] = _ordered(rows, cols, full_t, num_kv, num_q)
     from torch.nn.attention.flex_attention import BlockMask
 
     return BlockMask(seq_lengths=(q_len, kv_len), BLOCK_SIZE=(BLOCK_SIZE, BLOCK_SIZE), mask_mod=mask_mod, **parts)
@@ -201,15 +211,22 @@ def _q_blocks_optional() -> bool:
     return "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
 
 
-def _ordered(rows: torch.Tensor, cols: torch.Tensor, num_rows: int, num_cols: int):
-    """torch's ordered block format of the (row, col) blocks, given sorted by row then col: (1, 1, num_rows) int32
-    counts and (1, 1, num_rows, num_cols) int32 indices, each row's columns first, zeros after."""
-    counts = torch.bincount(rows, minlength=num_rows)
+def _ordered(rows: torch.Tensor, cols: torch.Tensor, keep: torch.Tensor, num_rows: int, num_cols: int):
+    """torch's ordered block format of the (row, col) blocks where ``keep`` is True, given sorted by row then col:
+    (1, 1, num_rows) int32 counts and (1, 1, num_rows, num_cols) int32 indices, each row's columns first, zeros after.
+
+    Nothing is selected by a boolean mask (on CUDA that waits for the device to count): blocks not kept are written
+    to a spare row past the last, which the result leaves out.
+    """
+    keep = keep.long()
+    counts = torch.zeros(num_rows, dtype=torch.long, device=rows.device).index_add_(0, rows, keep)
+    kept_before = torch.cumsum(keep, 0) - keep  # kept blocks ahead of each block, all rows
     row_start = torch.cumsum(counts, 0) - counts
-    rank = torch.arange(rows.numel(), device=rows.device) - row_start[rows]
-    indices = torch.zeros(num_rows, num_cols, dtype=torch.int32, device=rows.device)
-    indices[rows, rank] = cols.to(torch.int32)
-    return counts.to(torch.int32)[None, None], indices[None, None]
+    rank = kept_before - row_start[rows]
+    indices = torch.zeros(num_rows + 1, num_cols, dtype=torch.int32, device=rows.device)
+    spare = torch.where(keep.bool(), rows, num_rows)
+    indices[spare, torch.where(keep.bool(), rank, 0)] = cols.to(torch.int32)
+    return counts.to(torch.int32)[None, None], indices[:num_rows][None, None]
 
 
 def _visible_pairs_per_block(
@@ -230,19 +247,18 @@ def _visible_pairs_per_block(
     hi = torch.full_like(offset, bound) if window is None or window >= bound else window - 1 - offset
     lo, hi = torch.maximum(lo, qa - kz), torch.minimum(hi, qz - ka)
     keep = (ql > 0) & (kl > 0) & (lo <= hi)
-    qa, qz, ka, kz, lo, hi = (t[keep] for t in (qa, qz, ka, kz, lo, hi))
 
-    # Every (link, query block) pair: the query rows of the block in the link, the keys any of them sees.
-    link, q_block = _expand(qa // BLOCK_SIZE, qz // BLOCK_SIZE)
+    # Every (link, query block) pair: the query rows of the block in the link, the keys any of them sees. Links that
+    # see nothing expand to no block (no boolean selection: each expansion is one host synchronization, its size).
+    link, q_block = _expand(qa // BLOCK_SIZE, qz // BLOCK_SIZE, keep)
     i0 = torch.maximum(qa[link], q_block * BLOCK_SIZE)
     i1 = torch.minimum(qz[link], q_block * BLOCK_SIZE + BLOCK_SIZE - 1)
     j0 = torch.maximum(ka[link], i0 - hi[link])
     j1 = torch.minimum(kz[link], i1 - lo[link])
     seen = j0 <= j1  # the band misses the block's rows only at a clipped corner
-    link, q_block, i0, i1, j0, j1 = (t[seen] for t in (link, q_block, i0, i1, j0, j1))
 
     # Every (link, query block, key block) triple; each holds at least one visible pair (the band is convex).
-    row, kv_block = _expand(j0 // BLOCK_SIZE, j1 // BLOCK_SIZE)
+    row, kv_block = _expand(j0 // BLOCK_SIZE, j1 // BLOCK_SIZE, seen)
     link, q_block, i0, i1 = link[row], q_block[row], i0[row], i1[row]
     c0 = torch.maximum(ka[link], kv_block * BLOCK_SIZE)
     c1 = torch.minimum(kz[link], kv_block * BLOCK_SIZE + BLOCK_SIZE - 1)
@@ -254,11 +270,15 @@ def _visible_pairs_per_block(
     return block // num_kv, block % num_kv, visible
 
 
-def _expand(first: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(source, value) for every integer ``value`` in ``[first[s], last[s]]`` of every ``s``: (total,) int64 each."""
-    span = last - first + 1
-    source = torch.repeat_interleave(torch.arange(span.numel(), device=span.device), span)
-    step = torch.arange(source.numel(), device=span.device) - (torch.cumsum(span, 0) - span)[source]
+def _expand(first: torch.Tensor, last: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(source, value) for every integer ``value`` in ``[first[s], last[s]]`` of every ``s`` where ``keep[s]``:
+    (total,) int64 each. One host synchronization: the total, read once and handed to ``repeat_interleave`` (which
+    would otherwise read it, and check the counts, itself)."""
+    span = torch.where(keep, last - first + 1, 0)
+    ends = torch.cumsum(span, 0)
+    total = int(ends[-1]) if span.numel() else 0
+    source = torch.repeat_interleave(torch.arange(span.numel(), device=span.device), span, output_size=total)
+    step = torch.arange(total, device=span.device) - (ends - span)[source]
     return source, first[source] + step
 
 

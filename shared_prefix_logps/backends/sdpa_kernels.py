@@ -14,11 +14,24 @@ the call. Three of its rules shape what the library does instead of fixing an or
   mask, cuDNN takes 4-D additive masks and grouped heads. Each fused kernel in torch's order that the user has not
   disabled is asked (``torch.backends.cuda.can_use_*``) whether it accepts the call as it is, grouped heads native
   (``enable_gqa``), and otherwise, for grouped heads, whether it accepts them repeated; the first that does is
-  chosen (:func:`choose`). The math kernel, which materializes the scores, is the last resort wherever torch puts it.
-  Decisions are cached per call signature (device, dtypes, shapes, strides, mask layout, causal flag, gradients),
-  which every layer of a phase shares.
+  chosen (:func:`choose`).
+  The math kernel, which materializes the scores, is taken where torch's order puts it: last on sm90 with a recent
+  cuDNN, but before cuDNN in torch's default order (torch keeps cuDNN last there on purpose: older cuDNN versions
+  mishandled some sequence lengths), so a call the fused kernels ahead of it reject runs on math, as torch would run
+  it, not on cuDNN. Decisions are cached per call signature (device, dtypes, shapes, strides, mask layout, causal
+  flag, gradients), which every layer of a phase shares.
 - The call runs inside ``sdpa_kernel([chosen])`` (:func:`run_on`): only the kernels' enabled flags change, and they
   are restored on exit; torch's priority order is left as torch keeps it.
+
+cuDNN builds an execution graph per call signature (shapes, strides, mask shape), forward and backward, and expand's
+scoring batches and tree node calls change shape every step. Bucketing the lengths cuDNN sees, or preferring the
+memory-efficient kernel where shapes vary, waits for a GPU measurement of those builds; until then torch's choice
+stands (docs/how-it-works.md, expand).
+
+A bfloat16 result is judged against a float32 truth with the dense bfloat16 path's own error as the yardstick. On
+sm90 the dense path (the model's own SDPA attention) and the expand backend's masked calls may both run on cuDNN, so a
+cuDNN defect would inflate both errors alike and pass unseen (pytorch#193893: grouped-query results corrupted by
+cuDNN on sm100). :func:`excluded` runs the yardstick off the judged kernel: ``with excluded("CUDNN_ATTENTION"): ...``.
 """
 
 from __future__ import annotations
@@ -48,7 +61,8 @@ _ENABLED_FLAGS = {
     "EFFICIENT_ATTENTION": "mem_efficient_sdp_enabled",
     "MATH": "math_sdp_enabled",
 }
-# torch's order before it is initialized, for a torch without ``_get_sdp_priority_order``.
+# torch's order before it is initialized, for a torch without ``_get_sdp_priority_order`` (the default that
+# ``torch._C._get_sdp_priority_order()`` returns off sm90 in torch 2.11 and 2.13: math before cuDNN).
 _DEFAULT_ORDER = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH", "CUDNN_ATTENTION")
 # Decisions cached at most; the cache is cleared when full (shapes vary between scoring batches).
 _MAX_CACHED = 1024
@@ -94,7 +108,13 @@ def _decide(query, key, value, mask, dropout, is_causal) -> KernelChoice:
     heads = query.shape[1]
     grouped = key.shape[1] != heads
     for kernel in torch_priority(query.device):
-        if kernel not in FUSED_KERNELS or kernel not in ALLOWED_KERNELS or not enabled(kernel):
+        if kernel not in ALLOWED_KERNELS or not enabled(kernel):
+            continue
+        if kernel == "MATH":
+            # Where torch's order puts math before a fused kernel (cuDNN, in its default order), torch would run the
+            # call on math: so does the library.
+            return KernelChoice("MATH", repeat_kv=False)
+        if kernel not in FUSED_KERNELS:
             continue
         if accepts(kernel, query, key, value, mask, dropout, is_causal, grouped):
             return KernelChoice(kernel, repeat_kv=False)
@@ -160,6 +180,30 @@ def _let_torch_initialize_its_order(device: torch.device) -> None:
     with torch.no_grad():
         probe = torch.zeros(1, 1, 16, 64, dtype=dtype, device=device)
         F.scaled_dot_product_attention(probe, probe, probe)
+
+
+@contextlib.contextmanager
+def excluded(*kernels: str):
+    """Within the context SDPA may not use ``kernels`` (``SDPBackend`` names, e.g. "CUDNN_ATTENTION"): every other
+    kernel keeps its enabled flag, the flags are restored on exit and torch's priority order is not touched.
+
+    For a reference that must not share a kernel with the path it judges: the dense bfloat16 yardstick of the GPU
+    tests runs under ``excluded("CUDNN_ATTENTION")`` (see the module docstring). The expand backend's own choice
+    inside the context also skips the excluded kernels (it reads the enabled flags).
+
+    Raises:
+        ValueError: a name that is not one of :data:`ALLOWED_KERNELS`' kernels, or nothing left enabled.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    unknown = [name for name in kernels if name not in _ENABLED_FLAGS]
+    if unknown:
+        raise ValueError(f"excluded() takes SDPBackend names among {tuple(_ENABLED_FLAGS)}, got {unknown}")
+    keep = [getattr(SDPBackend, name) for name in _ENABLED_FLAGS if name not in kernels and enabled(name)]
+    if not keep:
+        raise ValueError(f"excluding {kernels} leaves no SDPA kernel enabled")
+    with sdpa_kernel(keep):
+        yield
 
 
 @contextlib.contextmanager

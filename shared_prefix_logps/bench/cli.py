@@ -7,18 +7,28 @@ import itertools
 import sys
 from pathlib import Path
 
-import torch
-
-from .run_info import load_average, progress_bar, run_meta, set_cpu_threads
+# torch, transformers and the benchmark's modules are imported by the commands that run, not here: `--help` of every
+# subcommand answers without loading them.
 
 #: The methods `bench` runs on GRPO-shaped batches when --methods is not given.
 DEFAULT_METHODS = "dense,trl,kv_expand,prefix_grouper,liger,expand,flex,chunked"
 
+#: `bench` defaults that depend on whether CUDA is there: (with CUDA, without), filled in by
+#: :func:`~.run_info.fill_cuda_defaults`.
+BENCH_CUDA_DEFAULTS = {
+    "model": ("qwen2.5-1.5b", "tiny"),
+    "prompt_len": ([1024], [64]),
+    "completion_len": ([256], [16]),
+    "device": ("cuda", "cpu"),
+}
+
 
 def _bench(args) -> int:
+    import torch
+
     from .methods import METHODS
-    from .presets import build_preset
-    from .report import FLOP_BOUND_TOLERANCE, beyond_flop_bound, markdown_table, write_json, write_plots
+    from .report import FLOP_BOUND_TOLERANCE, RecordStream, beyond_flop_bound, markdown_table, write_json, write_plots
+    from .run_info import build_bench_model, load_average, progress_bar, run_meta, set_cpu_threads
     from .runner import Shape, find_max_generations, run_sweep
 
     device = torch.device(args.device)
@@ -28,14 +38,15 @@ def _bench(args) -> int:
         raise SystemExit(f"--{error}") from None
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise SystemExit(f"--methods: no method given; choose from {', '.join(METHODS)}")
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise SystemExit(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     workloads = [w.strip() for w in args.workloads.split(",")]
     if not set(workloads) <= {"score", "train"}:
         raise SystemExit("--workloads takes score and/or train")
-    model = build_preset(args.preset, dtype=dtype, device=device, layers=args.layers)
-    model.train(False)
+    model = build_bench_model(args, dtype, device)
     try:
         shapes = [
             Shape(args.prompts, p, c, g)
@@ -45,11 +56,15 @@ def _bench(args) -> int:
         raise SystemExit(f"--prompts/--prompt-len/--completion-len/--generations: {error}") from None
     total = len(shapes) * len(workloads) * len(methods)
     bar = progress_bar(total)
+    stream = RecordStream(Path(args.output) / f"{args.name or 'bench'}.jsonl") if args.output else None
 
     def progress(record):
+        if stream is not None:
+            stream.write(record)
+        figures = f" {record['median_ms']:.1f} ms" if record.get("median_ms") is not None else ""
         bar(
             f"{record['method']} {record['workload']} P={record['prompt_len']} G={record['generations']}: "
-            f"{record['status']}"
+            f"{record['status']}{figures}"
         )
 
     load_before = load_average()
@@ -145,28 +160,35 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time, peak memory, agreement with dense, token counts and floors of each method on GRPO-shaped "
         "batches (B prompts x G completions); one record per method, shape and workload.",
     )
-    cuda = torch.cuda.is_available()
+    with_cuda = {name: values[0] for name, values in BENCH_CUDA_DEFAULTS.items()}
+    without = {name: values[1] for name, values in BENCH_CUDA_DEFAULTS.items()}
     bench.add_argument(
+        "--model",
         "--preset",
-        default="qwen2.5-1.5b" if cuda else "tiny",
-        choices=sorted(PRESETS),
-        help="model shape, built from a config with random weights (default: %(default)s)",
+        dest="model",
+        default=None,
+        help=f"model shape, built with random weights: a preset ({', '.join(sorted(PRESETS))}) or a config.json path "
+        f"(or its directory) (default: {with_cuda['model']} with CUDA, {without['model']} without)",
     )
-    bench.add_argument("--layers", type=int, default=None, help="override the preset's depth")
+    bench.add_argument(
+        "--layers", type=int, default=None, help="override the preset's depth, or keep a config's first layers"
+    )
     bench.add_argument("--prompts", type=int, default=2, help="B, prompts per batch (default: %(default)s)")
     bench.add_argument(
         "--prompt-len",
         type=int,
         nargs="+",
-        default=[1024 if cuda else 64],
-        help="P, the longest prompt's real tokens; several values sweep (default: %(default)s)",
+        default=None,
+        help="P, the longest prompt's real tokens; several values sweep "
+        f"(default: {with_cuda['prompt_len'][0]} with CUDA, {without['prompt_len'][0]} without)",
     )
     bench.add_argument(
         "--completion-len",
         type=int,
         nargs="+",
-        default=[256 if cuda else 16],
-        help="C, completion width (C/2..C real tokens each); several values sweep (default: %(default)s)",
+        default=None,
+        help="C, completion width (C/2..C real tokens each); several values sweep "
+        f"(default: {with_cuda['completion_len'][0]} with CUDA, {without['completion_len'][0]} without)",
     )
     bench.add_argument(
         "--generations", type=int, nargs="+", default=[8], help="G, completions per prompt; several values sweep"
@@ -183,14 +205,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="score (no-grad log-probs) and/or train (forward + backward), comma-separated",
     )
     bench.add_argument("--repeats", type=int, default=3, help="timed repeats per method; the median is kept")
-    bench.add_argument("--device", default="cuda" if cuda else "cpu", help="cuda or cpu (default: %(default)s)")
+    bench.add_argument("--device", default=None, help="cuda or cpu (default: cuda where it is available)")
     bench.add_argument(
         "--dtype", choices=["bf16", "fp32"], default=None, help="model dtype (default: bf16 on CUDA, fp32 on CPU)"
     )
     bench.add_argument(
         "--threads", type=int, default=None, help="CPU threads (default: 1 on CPU, torch's with CUDA; 0: torch's)"
     )
-    bench.add_argument("--output", default=None, help="directory for JSON, Markdown and PNG results")
+    bench.add_argument(
+        "--output",
+        default=None,
+        help="directory for JSON, Markdown and PNG results; each record is also appended to <name>.jsonl there "
+        "as soon as it is measured",
+    )
     bench.add_argument("--name", default=None, help="file stem of the results (default: bench)")
     bench.add_argument(
         "--max-generations", action="store_true", help="also find the largest G that fits per method (train)"
@@ -250,6 +277,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.command == "plan":
         return plan_cli.run(args)
+    from .run_info import fill_cuda_defaults
+
+    fill_cuda_defaults(args, BENCH_CUDA_DEFAULTS)
     if args.tree_workload:
         from .tree_runner import run_tree_bench
 

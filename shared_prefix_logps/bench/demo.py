@@ -13,24 +13,24 @@ import argparse
 import statistics
 import time
 
-import torch
+from .presets import PRESETS
 
-from .memory import peak_memory
-from .methods import METHODS, compute_logps_step
-from .presets import PRESETS, build_preset
-from .run_info import set_cpu_threads
-from .runner import Shape, make_batch, work_counts
+# torch and the benchmark's modules are imported where the demo runs: `demo --help` answers without them.
 
 
 def _step(model, batch, backend):
     """One training-shaped step (forward, then backward of the summed log-probs); the detached log-probs. ``dense``
     is the benchmark's dense method (full rows on the real prompt tokens)."""
+    from .methods import METHODS, compute_logps_step
+
     step = METHODS["dense"][0] if backend == "dense" else compute_logps_step(backend)
     return step(model, batch, True)
 
 
 def _timed(model, batch, repeats, device) -> tuple[float, float]:
     """Median seconds of a dense and a shared step, run alternately so background load hits both alike."""
+    import torch
+
     times = {"dense": [], "auto": []}
     for i in range(repeats + 1):  # the first round warms up
         for backend in ("dense", "auto"):
@@ -47,34 +47,44 @@ def _timed(model, batch, repeats, device) -> tuple[float, float]:
 
 
 def _peak(model, batch, backend, device):
+    from .memory import peak_memory
+
     model.zero_grad(set_to_none=True)
     with peak_memory(device) as mem:
         _step(model, batch, backend)
     return mem["peak_bytes"]
 
 
+#: Demo defaults that depend on whether CUDA is there: option -> (with CUDA, without).
+DEMO_CUDA_DEFAULTS = {
+    "preset": ("qwen2.5-0.5b", "tiny"),
+    "prompt_len": (1024, 256),
+    "completion_len": (128, 32),
+    "device": ("cuda", "cpu"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The demo's options (``make demo``, ``shared-prefix-logps demo``)."""
-    cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(prog="shared-prefix-logps demo", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--preset",
-        default="qwen2.5-0.5b" if cuda else "tiny",
+        default=None,
         choices=sorted(PRESETS),
-        help="model shape, built from a config with random weights (default: %(default)s)",
+        help="model shape, built from a config with random weights (default: qwen2.5-0.5b with CUDA, tiny without)",
     )
     parser.add_argument("--prompts", type=int, default=4, help="B, prompts per batch (default: %(default)s)")
     parser.add_argument("--generations", type=int, default=8, help="G, completions per prompt (default: %(default)s)")
     parser.add_argument(
-        "--prompt-len", type=int, default=1024 if cuda else 256, help="P, the longest prompt (default: %(default)s)"
+        "--prompt-len", type=int, default=None, help="P, the longest prompt (default: 1024 with CUDA, 256 without)"
     )
     parser.add_argument(
-        "--completion-len", type=int, default=128 if cuda else 32, help="C, completion width (default: %(default)s)"
+        "--completion-len", type=int, default=None, help="C, completion width (default: 128 with CUDA, 32 without)"
     )
     parser.add_argument(
         "--repeats", type=int, default=3, help="timed repeats; the median is kept (default: %(default)s)"
     )
-    parser.add_argument("--device", default="cuda" if cuda else "cpu", help="cuda or cpu (default: %(default)s)")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda where it is available)")
     parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads (default: 1 on CPU, torch's with CUDA; 0: torch's)"
     )
@@ -85,6 +95,14 @@ def main(argv=None) -> dict:
     """Run the demo; returns the figures it printed."""
     parser = build_parser()
     args = parser.parse_args(argv)
+
+    import torch
+
+    from .presets import build_preset
+    from .run_info import fill_cuda_defaults, set_cpu_threads
+    from .runner import Shape, make_batch, work_counts
+
+    fill_cuda_defaults(args, DEMO_CUDA_DEFAULTS)
     device = torch.device(args.device)
     try:
         set_cpu_threads(args.threads, device)

@@ -4,7 +4,9 @@ backward, for the dense full-row forward and for the least work the shared-prefi
 Matmuls only, as ``torch.utils.flop_counter.FlopCounterMode`` counts them (2 FLOPs per multiply-add; norms, RoPE,
 softmax and elementwise work are left out):
 
-- body: per token and layer the query/key/value/output projections and the gated MLP (three matrices);
+- body: per token and layer the query/key/value/output projections and the gated MLP (three matrices); in a
+  mixture-of-experts layer the router and the MLPs of the token's top-k experts and of the shared ones (the experts
+  laid out as ``plan.dims`` reads them from the config);
 - attention: per (query, key) pair and layer ``q·k`` and ``p·v`` over every query head, ``4 · heads · head_dim``;
   a pair counts only where the key is visible (causal, within the layer's sliding window), the least any kernel
   must compute;
@@ -20,9 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-#: Config attributes of mixture-of-experts models: their per-token work depends on routing, not modelled here.
-_EXPERT_ATTRIBUTES = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,12 @@ class Flops:
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes of a decoder-only model that its FLOPs depend on; ``windows`` holds each layer's sliding window
-    (None: full causal attention)."""
+    (None: full causal attention).
+
+    ``routed`` (mixture-of-experts models; None for dense ones): per layer, (the gated-MLP width one token goes
+    through: the dense ``intermediate``, or its top-k experts' and the shared ones', and the router's experts, 0 in
+    a dense layer).
+    """
 
     hidden: int
     heads: int
@@ -56,17 +60,16 @@ class ModelShape:
     intermediate: int
     vocab: int
     windows: tuple[int | None, ...]
+    routed: tuple[tuple[int, int], ...] | None = None
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
         """The shape of a transformers decoder config (Llama, Qwen2/3, Mistral, Gemma2/3, Phi3, OLMo2 style: gated
-        MLP, grouped-query attention); refuses mixture-of-experts configs."""
-        experts = [name for name in _EXPERT_ATTRIBUTES if getattr(config, name, None)]
-        if experts:
-            raise ValueError(
-                f"config: mixture-of-experts models ({experts[0]}={getattr(config, experts[0])}) are not modelled; "
-                "their per-token FLOPs depend on the routing"
-            )
+        MLP, grouped-query attention; the mixture-of-experts families ``plan`` knows with their routed experts).
+
+        Raises:
+            ValueError: a mixture-of-experts config of a family whose experts are not laid out here.
+        """
         missing = [
             name
             for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
@@ -92,6 +95,7 @@ class ModelShape:
             intermediate=config.intermediate_size,
             vocab=config.vocab_size,
             windows=windows,
+            routed=_routed_widths(config, layers),
         )
 
     @property
@@ -100,11 +104,13 @@ class ModelShape:
 
     @property
     def body_per_token(self) -> int:
-        """Forward FLOPs of one token through every layer's projections and MLP."""
+        """Forward FLOPs of one token through every layer's projections and MLP (a MoE layer's router and the
+        token's experts)."""
         attention_width = self.heads * self.head_dim
         kv_width = self.kv_heads * self.head_dim
-        per_layer = 2 * self.hidden * (2 * attention_width + 2 * kv_width + 3 * self.intermediate)
-        return per_layer * self.layers
+        projections = 2 * self.hidden * (2 * attention_width + 2 * kv_width) * self.layers
+        routed = self.routed or ((self.intermediate, 0),) * self.layers
+        return projections + sum(2 * self.hidden * (3 * width + experts) for width, experts in routed)
 
     @property
     def attention_per_pair(self) -> int:
@@ -114,6 +120,21 @@ class ModelShape:
     @property
     def head_per_token(self) -> int:
         return 2 * self.hidden * self.vocab
+
+
+def _routed_widths(config, layers: int) -> tuple[tuple[int, int], ...] | None:
+    """:attr:`ModelShape.routed` of a transformers config (None for a dense one)."""
+    from ..plan.dims import experts_from_config
+
+    fields = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    experts = experts_from_config(fields, name="config")
+    if experts is None:
+        return None
+    routed = set(experts.layers)
+    return tuple(
+        (experts.active_intermediate, experts.count) if i in routed else (config.intermediate_size, 0)
+        for i in range(layers)
+    )
 
 
 def visible_pairs(start: int, queries: int, window: int | None = None) -> int:

@@ -1,14 +1,14 @@
 """Model presets built from configs with random weights (nothing is downloaded).
 
 The named presets mirror the shapes of real checkpoints (DESIGN.md); ``tiny`` is a small Qwen2-style model that
-runs anywhere in seconds.
+runs anywhere in seconds. :func:`build_model` also builds the shape of a user's ``config.json``.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-
-import torch
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -80,10 +80,13 @@ def preset_config(name: str, *, layers=None):
     )
 
 
-def build_preset(name: str, *, dtype: torch.dtype = torch.float32, device="cpu", seed: int = 0, layers=None):
-    """A randomly initialised causal LM with the shape of preset ``name`` (``layers`` overrides the depth)."""
+def build_preset(name: str, *, dtype=None, device="cpu", seed: int = 0, layers=None):
+    """A randomly initialised causal LM with the shape of preset ``name`` (``layers`` overrides the depth), in
+    ``dtype`` (default: float32)."""
+    import torch
     import transformers as tf
 
+    dtype = torch.float32 if dtype is None else dtype
     config = preset_config(name, layers=layers)
     model_cls = getattr(tf, _FAMILIES[PRESETS[name].family][1])
     torch.manual_seed(seed)
@@ -92,3 +95,66 @@ def build_preset(name: str, *, dtype: torch.dtype = torch.float32, device="cpu",
     if getattr(model.config, "attn_logit_softcapping", None) is not None:
         model.set_attn_implementation("eager")  # sdpa cannot softcap attention scores
     return model.to(dtype)
+
+
+def model_config(model: str, *, layers=None):
+    """The transformers config of ``model``: a preset name, or a ``config.json`` path (or a directory holding one);
+    ``layers`` overrides a preset's depth and keeps a config's first ``layers`` layers. No weights are made.
+
+    Raises:
+        ValueError: naming what is wrong with ``model`` or ``layers`` (an unknown preset that is no path, an
+            unreadable config, a model type this transformers does not know).
+    """
+    if model in PRESETS:
+        return preset_config(model, layers=layers)
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"unknown preset {model!r} and no config.json there; choose from {', '.join(PRESETS)}")
+    try:
+        fields = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{str(path)!r} is not a readable JSON config: {error}") from error
+    if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
+        raise ValueError(f"{str(path)!r} holds no transformers config (no 'model_type')")
+    if layers is not None:
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers <= 0:
+            raise ValueError(f"layers must be a positive integer, got {layers!r}")
+        kinds = fields.get("layer_types")
+        if isinstance(kinds, list):
+            if layers > len(kinds):
+                raise ValueError(f"layers={layers}: {str(path)!r} lists layer_types for {len(kinds)} layers")
+            fields["layer_types"] = kinds[:layers]
+        fields["num_hidden_layers"] = layers
+    import transformers
+
+    model_type = fields.pop("model_type")
+    try:
+        return transformers.AutoConfig.for_model(model_type, **fields)
+    except (ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{str(path)!r}: transformers cannot build a {model_type!r} config: {error}") from error
+
+
+def build_model(model: str, *, dtype=None, device="cpu", seed: int = 0, layers=None):
+    """A randomly initialised causal LM of ``model``'s shape (a preset name, or a ``config.json`` path or directory:
+    :func:`model_config`), in ``dtype`` (default: float32).
+
+    Raises:
+        ValueError: as :func:`model_config`, or a config of no causal LM.
+    """
+    if model in PRESETS:
+        return build_preset(model, dtype=dtype, device=device, seed=seed, layers=layers)
+    import torch
+    import transformers
+
+    config = model_config(model, layers=layers)
+    torch.manual_seed(seed)
+    try:
+        with torch.device(device):
+            built = transformers.AutoModelForCausalLM.from_config(config)
+    except ValueError as error:
+        raise ValueError(f"{model!r} is not a causal LM config transformers can build: {error}") from error
+    if getattr(built.config, "attn_logit_softcapping", None) is not None:
+        built.set_attn_implementation("eager")  # sdpa cannot softcap attention scores
+    return built.to(torch.float32 if dtype is None else dtype)

@@ -74,6 +74,30 @@ def write_json(records: list[dict], path: Path, meta: dict) -> None:
     path.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
 
 
+class RecordStream:
+    """Appends each record to a JSON-lines file as one line when it is measured (``write``), flushed at once, so a
+    run stopped midway (a timeout, an out-of-memory kill) leaves every record measured until then; the run's full
+    results file is written at the end as before. Every line carries ``run_started`` (UTC, ISO 8601), which tells the
+    runs appended to one file apart."""
+
+    def __init__(self, path: Path):
+        import datetime
+
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+    def write(self, record: dict) -> None:
+        with self.path.open("a") as stream:
+            stream.write(json.dumps({"run_started": self.started, **record}) + "\n")
+            stream.flush()
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a JSON-lines file written by :class:`RecordStream`, in the order they were measured."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
 def write_plots(records: list[dict], directory: Path, prefix: str = "") -> list[Path]:
     """Peak memory vs G (at the largest P) and time vs P (at the largest G), one line per method, a panel per
     workload in the records; returns the files written (none without matplotlib)."""

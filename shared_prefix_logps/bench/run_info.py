@@ -48,10 +48,10 @@ def device_name(device: torch.device) -> str:
 
 
 def run_meta(args, dtype: torch.dtype, device: torch.device, load_before: list[float] | None, **extra) -> dict:
-    """What a results file records about its run: preset, dtype, device, versions, commit, threads, the load
-    average before (``load_before``) and now, and ``extra``."""
+    """What a results file records about its run: preset (the ``--model`` given: a preset name or a config path),
+    dtype, device, versions, commit, threads, the load average before (``load_before``) and now, and ``extra``."""
     return dict(
-        preset=args.preset,
+        preset=args.model,
         layers=args.layers,
         dtype=str(dtype),
         device=device_name(device),
@@ -103,3 +103,28 @@ def progress_bar(total: int):
         print(f"[{done[0]}/{total}] {text}", file=sys.stderr, flush=True)
 
     return update
+
+
+def fill_cuda_defaults(args, defaults: dict) -> None:
+    """Fill the options left unset (None) in ``args`` from ``defaults`` (option -> (with CUDA, without))."""
+    unset = [name for name in defaults if getattr(args, name) is None]
+    if unset:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        for name in unset:
+            setattr(args, name, defaults[name][0 if cuda else 1])
+
+
+def build_bench_model(args, dtype, device):
+    """The model ``bench`` runs (``--model``: a preset or a config.json, ``--layers``), in eval mode; a bad
+    ``--model`` or ``--layers`` exits naming the option."""
+    from .presets import build_model
+
+    try:
+        model = build_model(args.model, dtype=dtype, device=device, layers=args.layers)
+    except ValueError as error:
+        option = "--layers" if str(error).startswith("layers") else "--model"
+        raise SystemExit(f"{option}: {error}") from None
+    model.train(False)
+    return model

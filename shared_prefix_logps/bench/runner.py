@@ -109,14 +109,18 @@ def _time_ms(step, model, batch, train, device) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def run_cell(model, methods, shape: Shape, workload: str, *, repeats: int) -> list[dict]:
+def run_cell(model, methods, shape: Shape, workload: str, *, repeats: int, on_record=None) -> list[dict]:
     """One record per method on one shape and workload (``score`` or ``train``), all on the same batch.
 
     ``dense`` runs first: its log-probs are the reference of the others' ``max_abs_diff_vs_dense``. Each method's
     first run warms it up (compilation, caches) and gives its log-probs; then ``repeats`` rounds time every method
     once each, in turn; then its peak memory is measured apart (the CPU tracker slows the work down). With
     ``repeats=0`` the warm-up run's time is recorded.
+
+    ``on_record(record)`` is called with each method's record as soon as it is final (skipped, failed, or measured),
+    before the cell's other methods finish: a run stopped midway keeps what it measured.
     """
+    done = on_record or (lambda record: None)
     device = next(model.parameters()).device
     train = workload == "train"
     batch = make_batch(shape, model.config.vocab_size, device)
@@ -130,6 +134,7 @@ def run_cell(model, methods, shape: Shape, workload: str, *, repeats: int) -> li
         reason = method_unavailable(method, device, train)
         if reason is not None:
             record.update(status="skipped", reason=reason)
+            done(record)
             continue
         step = METHODS[method][0]
         try:
@@ -146,6 +151,7 @@ def run_cell(model, methods, shape: Shape, workload: str, *, repeats: int) -> li
             times[method] = [] if repeats else [warmup_ms]
         except Exception as error:
             record.update(failure_record(error))
+            done(record)
         finally:
             _cleanup(model, device)
     for _ in range(repeats):
@@ -154,6 +160,7 @@ def run_cell(model, methods, shape: Shape, workload: str, *, repeats: int) -> li
                 times[method].append(_time_ms(METHODS[method][0], model, batch, train, device))
             except Exception as error:
                 records[method].update(failure_record(error))
+                done(records[method])
                 del times[method]
                 _cleanup(model, device)
     for method, samples in times.items():
@@ -175,18 +182,17 @@ def run_cell(model, methods, shape: Shape, workload: str, *, repeats: int) -> li
             record.update(failure_record(error))
         finally:
             _cleanup(model, device)
+        done(record)
     return [records[method] for method in ordered]
 
 
 def run_sweep(model, methods, shapes, workloads, *, repeats: int = 3, progress=None) -> list[dict]:
-    """Every (shape, workload) cell, each method of a cell on the same batch (:func:`run_cell`)."""
+    """Every (shape, workload) cell, each method of a cell on the same batch (:func:`run_cell`); ``progress(record)``
+    is called with each record as soon as it is final (a streamed results file writes it then)."""
     records = []
     for shape in shapes:
         for workload in workloads:
-            for record in run_cell(model, methods, shape, workload, repeats=repeats):
-                records.append(record)
-                if progress is not None:
-                    progress(record)
+            records += run_cell(model, methods, shape, workload, repeats=repeats, on_record=progress)
     return records
 
 

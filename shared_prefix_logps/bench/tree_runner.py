@@ -17,7 +17,7 @@ import torch
 
 from .flops import ModelShape
 from .memory import peak_memory
-from .run_info import load_average, progress_bar, run_meta, set_cpu_threads
+from .run_info import build_bench_model, load_average, progress_bar, run_meta, set_cpu_threads
 from .runner import failure_record, synchronize
 from .tree_flops import method_flops
 from .tree_methods import DEFAULT_DENSE_TOKENS, TREE_METHODS, TreeCase
@@ -59,9 +59,21 @@ def cell_base(config, workload: TreeWorkload, train: bool) -> dict:
 
 
 def run_tree_cell(
-    model, methods, workload: TreeWorkload, train: bool, *, repeats: int, dense_tokens: int = DEFAULT_DENSE_TOKENS
+    model,
+    methods,
+    workload: TreeWorkload,
+    train: bool,
+    *,
+    repeats: int,
+    dense_tokens: int = DEFAULT_DENSE_TOKENS,
+    on_record=None,
 ) -> list[dict]:
-    """One record per method on ``workload`` (``train``: forward and backward of the summed scored log-probs)."""
+    """One record per method on ``workload`` (``train``: forward and backward of the summed scored log-probs).
+
+    ``on_record(record)`` is called with each method's record as soon as it is final (failed, or measured once the
+    timing rounds are over), with the load average from the cell's start to then: a run stopped midway keeps what it
+    measured.
+    """
     device = next(model.parameters()).device
     case = TreeCase.of(workload, device, dense_tokens=dense_tokens)
     base = cell_base(model.config, workload, train)
@@ -77,6 +89,12 @@ def run_tree_cell(
             if m in records:
                 records[m]["chunk_rows"] = case.chunk_rows
     load_before = load_average()
+
+    def finish(record):
+        record["load_average"] = dict(before=load_before, after=load_average())
+        if on_record is not None:
+            on_record(record)
+
     times: dict[str, list[float]] = {}
     reference = None
     for method in ordered:
@@ -101,6 +119,7 @@ def run_tree_cell(
             times[method] = []
         except Exception as error:
             record.update(failure_record(error))
+            finish(record)
         finally:
             _cleanup(model)
     for _ in range(repeats):
@@ -109,6 +128,7 @@ def run_tree_cell(
                 times[method].append(_timed(TREE_METHODS[method], model, case, train, device)[1])
             except Exception as error:
                 records[method].update(failure_record(error))
+                finish(records[method])
                 del times[method]
             finally:
                 _cleanup(model)
@@ -124,9 +144,7 @@ def run_tree_cell(
         if dense_ms is not None:
             record["speedup"] = dense_ms / record["median_ms"]
             record["of_floor"] = record["speedup"] / record["floor_speedup"]
-    load_after = load_average()
-    for record in records.values():
-        record["load_average"] = dict(before=load_before, after=load_after)
+        finish(record)
     return [records[m] for m in ordered]
 
 
@@ -140,9 +158,21 @@ def build_workload(name: str, options: dict, vocab: int) -> tuple[TreeWorkload, 
     unknown = sorted(set(options) - set(parameters))
     if unknown:
         raise ValueError(f"tree option(s) {unknown} unknown to {name}; it takes {', '.join(parameters)}")
+    negative = sorted(key for key, value in options.items() if value < 0)
+    if negative:
+        raise ValueError(f"tree option(s) {negative} must not be negative")
+    if not 1 <= options.get("vocab", vocab) <= vocab:
+        raise ValueError(f"tree option vocab={options['vocab']} must be in [1, {vocab}], the model's vocabulary")
     kwargs = {key: p.default for key, p in parameters.items()}
-    kwargs.update(vocab=vocab, **options)
-    return builder(**kwargs), kwargs
+    kwargs.update({"vocab": vocab, **options})
+    workload = builder(**kwargs)
+    if not bool(workload.score_mask.any()):
+        raise ValueError(f"{name} with {_describe(options)} scores no token; each count it takes must be positive")
+    return workload, kwargs
+
+
+def _describe(options: dict) -> str:
+    return ", ".join(f"{key}={value}" for key, value in options.items()) or "its defaults"
 
 
 def parse_options(items: list[str] | None) -> dict[str, int]:
@@ -171,8 +201,7 @@ def run_tree_bench(args, *, methods_given: bool) -> int:
     import sys
     from pathlib import Path
 
-    from .presets import build_preset
-    from .report import write_json
+    from .report import RecordStream, write_json
     from .tree_report import markdown_report, markdown_table
 
     device = torch.device(args.device)
@@ -189,21 +218,33 @@ def run_tree_bench(args, *, methods_given: bool) -> int:
     if not set(workloads) <= {"score", "train"}:
         raise SystemExit("--workloads takes score and/or train")
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    model = build_preset(args.preset, dtype=dtype, device=device, layers=args.layers)
-    model.train(False)
+    model = build_bench_model(args, dtype, device)
     try:
         workload, kwargs = build_workload(args.tree_workload, options, model.config.vocab_size)
     except (ValueError, TypeError) as error:
         raise SystemExit(f"--tree-workload/--tree-option: {error}") from None
     bar = progress_bar(len(workloads) * len(methods))
+    stem = args.name or f"tree-{workload.name}"
+    stream = RecordStream(Path(args.output) / f"{stem}.jsonl") if args.output else None
+
+    def progress(record):
+        if stream is not None:
+            stream.write(record)
+        figures = f" {record['median_ms']:.1f} ms" if record.get("median_ms") is not None else ""
+        bar(f"{workload.name} {record['method']} {record['workload']}: {record.get('status')}{figures}")
+
     load_before = load_average()
     records = []
     for name in workloads:
-        for record in run_tree_cell(
-            model, methods, workload, name == "train", repeats=args.repeats, dense_tokens=args.dense_tokens
-        ):
-            records.append(record)
-            bar(f"{workload.name} {record['method']} {record['workload']}: {record.get('status')}")
+        records += run_tree_cell(
+            model,
+            methods,
+            workload,
+            name == "train",
+            repeats=args.repeats,
+            dense_tokens=args.dense_tokens,
+            on_record=progress,
+        )
     meta = run_meta(
         args,
         dtype,
@@ -228,7 +269,6 @@ def run_tree_bench(args, *, methods_given: bool) -> int:
     if args.output:
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)
-        stem = args.name or f"tree-{workload.name}"
         write_json(records, out / f"{stem}.json", meta)
         (out / f"{stem}.md").write_text(markdown_report(meta, records))
         print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.md'}")

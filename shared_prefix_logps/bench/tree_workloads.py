@@ -40,6 +40,8 @@ class TreeWorkload:
 
 
 def _pack(name: str, rows: list[tuple[list[int], list[bool], int]]) -> TreeWorkload:
+    if not rows:
+        raise ValueError(f"{name}: no rows (a count of prompts, conversations or completions is 0)")
     width = max(len(tokens) for tokens, _, _ in rows)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.bool)
@@ -143,6 +145,6 @@ def forwarded_tokens(workload: TreeWorkload) -> dict[str, int]:
     prompts = {tuple(ids[:p].tolist()) for ids, p in zip(workload.input_ids, workload.prompt_length.tolist())}
     one_level = sum(len(p) for p in prompts) + int((lengths - workload.prompt_length).sum())
     trie = build_trie(workload.input_ids, lengths)
-    # Every distinct prefix of the rows ends at exactly one trie token (tests/tree/test_trie.py checks it), so the
+    # Every distinct prefix of the rows ends at exactly one trie token (tests/engine/test_trie.py checks it), so the
     # tree forwards exactly the floor.
     return dict(dense=dense, one_level=one_level, tree=trie.num_tokens, unique=trie.num_tokens)

@@ -74,7 +74,7 @@ def forward_call(
         # No backward recomputes through this call, and the walk keeps its context while descendants attend over
         # its keys/values: its masks would stay alive for nothing.
         context.masks.clear()
-    modules = list(context.routes)
+    modules = [module for module, box in context.routes.items() if box is not None]
     released = release(logits, [context.routes[module] for module in modules] + [context.route])
     context.states = {module: (released[2 * i], released[2 * i + 1]) for i, module in enumerate(modules)}
     context.logps = released[2 * len(modules)]

@@ -89,6 +89,8 @@ class NodeCall:
         node_end: (num_nodes,) int64, the trie's ``subtree_end``: node k is an ancestor of (or is) node q exactly
             when ``k <= q < node_end[k]``.
         levels: ``flash``: a :class:`FlashLevel` per ancestor level, top level first.
+        keeps_states: whether a later call attends over this one (some node has children): only then does the call
+            record its layers' prefix states.
     """
 
     nodes: torch.Tensor
@@ -109,24 +111,65 @@ class NodeCall:
     ancestor_index: torch.Tensor | None = None
     ancestor_valid: torch.Tensor | None = None
     levels: tuple[FlashLevel, ...] | None = None
+    keeps_states: bool = True
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[1])
 
     def to(self, device) -> NodeCall:
-        """The call with every tensor on ``device`` (the layouts read them there; the planner keeps CPU copies)."""
+        """The call with every tensor on ``device``, through one host-to-device copy (see :func:`to_device`); the
+        planner keeps its CPU copies."""
+        device = torch.device(device)
+        tensors = {
+            f.name: getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        for i, level in enumerate(self.levels or ()):
+            tensors.update({f"level{i}.{f.name}": getattr(level, f.name) for f in fields(level)})
+        moved = to_device(tensors, device)
+        values = {f.name: moved.get(f.name, getattr(self, f.name)) for f in fields(self)}
+        if self.levels is not None:
+            values["levels"] = tuple(
+                FlashLevel(*(moved[f"level{i}.{f.name}"] for f in fields(FlashLevel))) for i in range(len(self.levels))
+            )
+        return NodeCall(**values)
 
-        def move(value):
-            if isinstance(value, torch.Tensor):
-                return value.to(device, non_blocking=True)
-            if isinstance(value, FlashLevel):
-                return FlashLevel(*(move(getattr(value, f.name)) for f in fields(value)))
-            if isinstance(value, tuple):
-                return tuple(move(v) for v in value)
-            return value
 
-        return NodeCall(**{f.name: move(getattr(self, f.name)) for f in fields(self)})
+def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """``tensors`` (int64 or bool, planned on the host) on ``device``, through one host-to-device copy.
+
+    Copied one by one, a node call's index tensors were as many copies from pageable memory, each of which the host
+    waits for. They are packed into one int64 buffer (page-locked when the target is CUDA, so the copy runs
+    asynchronously), copied once and cut apart on the device (bool fields come back as bool). Tensors already on
+    ``device`` are returned as they are; tensors on other devices than the host are copied one by one.
+    """
+    moving = {k: v for k, v in tensors.items() if v.device != device}
+    if not moving:
+        return dict(tensors)
+    if any(v.device.type != "cpu" for v in moving.values()):
+        return {k: v.to(device) for k, v in tensors.items()}
+    buffer, layout = pack(moving, pin=device.type == "cuda")
+    return {**tensors, **unpack(buffer.to(device, non_blocking=True), layout)}
+
+
+def pack(tensors: dict[str, torch.Tensor], *, pin: bool = False) -> tuple[torch.Tensor, list]:
+    """Host ``tensors`` (integers or bool) flattened into one int64 buffer (page-locked with ``pin``), and the
+    layout :func:`unpack` cuts it apart by: (name, shape, dtype) per tensor, in order."""
+    flat = [v.reshape(-1).long() for v in tensors.values()]
+    buffer = torch.empty(sum(t.numel() for t in flat), dtype=torch.long, pin_memory=pin)
+    torch.cat(flat, out=buffer)
+    return buffer, [(name, value.shape, value.dtype) for name, value in tensors.items()]
+
+
+def unpack(buffer: torch.Tensor, layout: list) -> dict[str, torch.Tensor]:
+    """The tensors :func:`pack` packed into ``buffer`` (on any device): views of it, bool fields as bool."""
+    out, start = {}, 0
+    for name, shape, dtype in layout:
+        count = shape.numel()
+        part = buffer[start : start + count].view(shape)
+        out[name] = part.bool() if dtype == torch.bool else part.to(dtype)
+        start += count
+    return out
 
 
 class CallPlanner:
@@ -221,6 +264,7 @@ class CallPlanner:
             store_order=store_order,
             store_positions=trie.node_start[store_node] + store_order,
             node_end=trie.subtree_end,
+            keeps_states=bool((trie.subtree_end[nodes] > nodes + 1).any()),
             **extra,
         )
 
@@ -272,4 +316,5 @@ def single_node_call(input_ids: torch.Tensor) -> NodeCall:
         node_end=torch.ones(1, dtype=torch.long, device=device),
         ancestor_index=empty[None],
         ancestor_valid=torch.ones(1, 0, dtype=torch.bool, device=device),
+        keeps_states=False,
     )

@@ -23,7 +23,7 @@ import torch
 from ..forward.context import NodeContext
 from ..moe_router import RouterStats, path_sums
 from ..output import LogpsOutput, result_zeros
-from .calls import forward_call
+from .calls import forward_call, one_token_zero
 from .node_calls import CallPlanner
 from .plan import Plan
 
@@ -127,7 +127,8 @@ class Walk:
         self.pair_position = torch.full((plan.pairs.target.numel(),), -1, dtype=torch.int32)
         self.first_pair: list[int] = []  # per call, the position of its first head result
         self.head_counts: list[int] = []  # per call, its head results
-        self.node_router: list = []  # (nodes, (counts, probs, tokens)) per call, outputs not leaves (no-leaf walks)
+        # (output, what the chunks use) of the one-token forward standing in for node calls when every row is empty.
+        self.placeholder: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def forward_rows(self, rows: torch.Tensor) -> LogpsOutput:
         """Forward the nodes ``rows`` need that are not forwarded yet; the rows' (len(rows), width) output,
@@ -162,8 +163,13 @@ class Walk:
                 entropy = entropy.masked_scatter(score, torch.cat([self.calls[c].result(1) for c in calls])[index])
         elif torch.is_grad_enabled():
             # Nothing scored: a zero result still hangs off the calls' graphs, so that a loss built from it reaches
-            # every call's backward (parameters get zero gradients, as from autograd of the one graph).
+            # every call's backward (parameters get zero gradients, as from autograd of the one graph). Rows all empty
+            # make no call: a one-token forward of the model stands in (as the dense forward's rows do).
+            if self.plan.trie.num_nodes == 0 and self.placeholder is None:
+                self._forward_placeholder()
             used = [t for call in self.calls.values() for t in call.used if t.requires_grad]
+            if self.placeholder is not None:
+                used.append(self.placeholder[1])
             if used:
                 anchor = torch.stack([t.sum() * 0.0 for t in used]).sum()
                 logps = logps + anchor
@@ -208,10 +214,24 @@ class Walk:
         self.head_counts.append(call.head_pairs.numel())
         self.pair_position[call.head_pairs] = torch.arange(total, total + call.head_pairs.numel(), dtype=torch.int32)
 
+    def _forward_placeholder(self) -> None:
+        """The one-token forward that stands in for node calls when every row is empty, so that the chunks' losses
+        back-propagate through the model and every parameter gets a zero gradient, as with rows that are not."""
+        if self.agreement is not None:
+            self.agreement.before_forward()
+        zero = one_token_zero(self.prepared)
+        self.placeholder = (zero, zero.detach().requires_grad_(zero.requires_grad) if self.leaves else zero)
+
     def finish_rows(self, rows: torch.Tensor) -> None:
         """Count ``rows`` as done; back-propagate (with ``leaves``) and free every call nothing later needs,
         descendants first (they were planned later), so a call's leaves hold every descendant's gradient when it
         runs."""
+        if self.placeholder is not None and self.leaves:
+            zero, leaf = self.placeholder
+            self.placeholder = None
+            tensors, grads = ([zero], [leaf.grad]) if leaf.grad is not None else ([], [])
+            if tensors or self.agreement is not None:
+                self.backward(tensors, grads)
         path = self.plan.trie.row_path[rows]
         self.remaining -= torch.bincount(path[path >= 0], minlength=self.remaining.numel())
         progress = True

@@ -151,6 +151,9 @@ def _node_attention(module, query, key, value, attention_mask, handle, kwargs):
     if context.finished:
         # An activation-checkpoint recomputation in backward: the recorded keys/values are already in the graph.
         return output, None
+    if not call.keeps_states:
+        context.routes[module] = None  # no later call attends over this one: nothing to record
+        return output, None
     box = context.routes[module] = RouteBox()
     # The keys/values leave the layer on its output, so wrappers see their gradient arrive there; the node call
     # releases them into ``context.states`` after the forward.

@@ -45,7 +45,8 @@ class NodeContext:
             embedding weight gradients added into one buffer across its backward passes), or None.
         keep_logits_bytes: the fused head keeps its logits for backward when they take at most this many bytes (0:
             it recomputes them; see ``kernels/fused_head.py``).
-        routes: attention module -> RouteBox of its prefix state of this call's tokens, riding on its output.
+        routes: attention module -> RouteBox of its prefix state of this call's tokens, riding on its output (None
+            where no later call attends over this one: ``call.keeps_states``).
         states: filled after the forward: attention module -> (key, value), (kv_heads, T, head_dim).
         route: RouteBox of the head's results; logps / entropy: (p,) float32 after the forward, one per head pair.
         masks: what the layouts build once per call (masks, kernel choices), keyed by kind and sliding window.

@@ -27,7 +27,8 @@ from .implementation import implementation_argument, resolve_implementation, sta
 # stray negative id still fails loudly (nan / index error) instead of being silently skipped.
 _NO_IGNORE = -(2**63)
 
-# Float32 logits held per chunk when chunk_size is None, on CPU. Backward holds about two such buffers at once.
+# Bytes a chunk's buffers may hold at once when chunk_size is None, on CPU (see chunk_logit_bytes for what a row of
+# the chunk holds).
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 
 # On a GPU the budget is this share of the memory a new allocation can take (the driver's free memory plus what
@@ -50,6 +51,18 @@ def cuda_available_bytes(device: torch.device) -> int:
     return free + max(cached, 0)
 
 
+def chunk_logit_bytes(compute_dtype: torch.dtype, softcap: float | None) -> int:
+    """Bytes the chunk loop holds per logit at its peak, in backward (forward holds no more).
+
+    The Triton statistics work in the logits' buffer and the gradient overwrites it, so without a softcap a chunk
+    holds its logits in the matmul's dtype: 2 bytes (bfloat16) or 4 (float32). With a softcap backward holds the
+    float32 capped logits (overwritten by their gradient) and the float32 ``tanh`` its chain rule needs: 8 bytes, the
+    matmul's own output freed before the second of them exists. (The torch statistics, the fallback, add float32
+    temporaries of their own beside these.)
+    """
+    return 8 if softcap is not None else compute_dtype.itemsize
+
+
 def default_chunk_size(
     num_rows: int,
     vocab_size: int,
@@ -57,8 +70,10 @@ def default_chunk_size(
     *,
     device: torch.device | None = None,
     available_bytes: int | None = None,
+    logit_bytes: int = 4,
 ) -> int:
-    """Rows per chunk so that one chunk's float32 logits fit in the budget (at least 1 row).
+    """Rows per chunk so that one chunk's buffers, ``logit_bytes`` per logit (:func:`chunk_logit_bytes`), fit in the
+    budget (at least 1 row).
 
     Without ``budget_bytes``: ``DEFAULT_CHUNK_BYTES`` on CPU; on CUDA an eighth of the memory available to a new
     allocation (``available_bytes``, else :func:`cuda_available_bytes` of ``device``) bounded to [512 MiB, 8 GiB],
@@ -72,7 +87,7 @@ def default_chunk_size(
                 available_bytes = cuda_available_bytes(device)
             low, high = GPU_CHUNK_BYTES_BOUNDS
             budget_bytes = int(min(max(available_bytes * GPU_CHUNK_SHARE_OF_AVAILABLE, low), high))
-    rows = max(1, min(max(num_rows, 1), budget_bytes // (4 * max(vocab_size, 1))))
+    rows = max(1, min(max(num_rows, 1), budget_bytes // (logit_bytes * max(vocab_size, 1))))
     if cuda and rows >= GPU_ROW_MULTIPLE and rows < num_rows:
         rows -= rows % GPU_ROW_MULTIPLE
     return rows
@@ -107,6 +122,7 @@ def _chunk_logits(
     if softcap is None:
         return logits, None
     tanh = logits.float().div_(softcap).tanh_()
+    del logits  # the matmul's output (when not float32 already): freed before the capped copy exists
     if not keep_tanh:
         return tanh.mul_(softcap), None
     return tanh * softcap, tanh
@@ -260,7 +276,7 @@ class LinearLogpsFunction(torch.autograd.Function):
                 _accumulate_mm(grad_weight, d_mm.t(), h)
             if need_b:
                 grad_bias.add_(d_logits.float().sum(0))
-            del d_logits, d_mm
+            del d_logits, d_mm, tanh  # before the next chunk's logits exist
         if into_buffer:
             grad_weight = None
         elif grad_weight is not None:
@@ -297,15 +313,16 @@ def linear_logps(
         temperature: the tempered distribution is ``softmax(logits / temperature)``.
         softcap: if set, ``logits = softcap * tanh(logits / softcap)`` before the temperature (Gemma-2 style).
         return_entropy: also return ``-sum p log p`` of the tempered distribution.
-        chunk_size: rows per chunk; None picks it so one chunk's float32 logits take about 256 MiB on CPU, an
-            eighth of the memory available to an allocation on CUDA (see :func:`default_chunk_size`).
+        chunk_size: rows per chunk; None picks it so one chunk's buffers (:func:`chunk_logit_bytes` per logit:
+            the logits in the matmul dtype, 8 bytes with a softcap) take about 256 MiB on CPU, an eighth of the
+            memory available to an allocation on CUDA (see :func:`default_chunk_size`).
         ignore_index: target value of rows to skip.
         implementation: per-chunk statistics by ``"triton"`` kernels, ``"torch"``, or ``"auto"`` (Triton on CUDA
             where its kernels can launch, see ``launch_probe``, or on CPU under ``TRITON_INTERPRET=1``).
         backend: deprecated name of ``implementation``.
         keep_logits_bytes: with gradients, keep every chunk's logits from forward for backward when they take at most
-            this many bytes (rows x V x the matmul's element size, and the float32 tanh with a softcap), so that
-            backward does not recompute them; 0 (default) keeps none.
+            this many bytes (rows x V x :func:`chunk_logit_bytes`), so that backward does not recompute them; 0
+            (default) keeps none.
         weight_grad: a float32 tensor of ``weight``'s shape, or None: backward adds the weight's gradient into it and
             returns none for ``weight`` (the caller hands the buffer to the parameter once, after its last backward).
             Only for a ``weight`` that is the parameter itself (or a cast of it).
@@ -347,7 +364,8 @@ def linear_logps(
     bias = bias.to(compute_dtype) if bias is not None else None
     rows = hidden_2d.shape[0]
     if chunk_size is None:
-        chunk_size = default_chunk_size(rows, weight.shape[0], device=hidden_2d.device)
+        logit_bytes = chunk_logit_bytes(compute_dtype, softcap)
+        chunk_size = default_chunk_size(rows, weight.shape[0], device=hidden_2d.device, logit_bytes=logit_bytes)
     chunk_size = max(1, int(chunk_size))
 
     if rows == 0:
@@ -359,7 +377,7 @@ def linear_logps(
         grad_needed = torch.is_grad_enabled() and any(
             t is not None and t.requires_grad for t in (hidden_2d, weight, bias)
         )
-        per_row = weight.shape[0] * (weight.element_size() + (4 if softcap is not None else 0))
+        per_row = weight.shape[0] * chunk_logit_bytes(compute_dtype, softcap)  # what forward keeps per row
         keep_logits = grad_needed and rows * per_row <= keep_logits_bytes
         with _no_autocast(hidden.device):  # dtypes were fixed above; forward and backward must agree on them
             result = LinearLogpsFunction.apply(

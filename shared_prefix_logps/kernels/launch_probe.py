@@ -1,13 +1,17 @@
 """Whether compiled Triton kernels can launch on CUDA in this process, found out once, before Triton is chosen.
 
 At its first compiled launch in a process Triton builds a small C extension (its CUDA driver utilities and kernel
-launcher) with the system's C compiler, unless a build of the same source is already in its cache
-(``~/.triton/cache``). Slim runtime images have no compiler, and the launch then raises long after
-``implementation="auto"`` chose Triton, failing every fused-head call. So on CUDA Triton counts as usable only if
+launcher) with the system's C compiler and Python's headers, unless a build of the same source is already in its
+cache (``~/.triton/cache``). Slim runtime images lack the compiler or the headers, and the launch then raises long
+after Triton was chosen: every fused-head call fails, and so does every layer of the ``flex`` backend (inductor's
+flex_attention kernels are Triton kernels launched the same way). So on CUDA Triton counts as usable only if a trial
+launch of a one-element kernel succeeds. A C compiler found the way Triton looks for one (``triton.knobs.build.impl``,
+else ``$CC``, else ``gcc``, else ``clang``; ``triton/runtime/build.py``) is not enough (without Python's headers the
+build still fails), and none found is not the end (the cache may hold a build made elsewhere); the compiler found
+is named in the verdict.
 
-1. a C compiler is found the way Triton looks for one (``triton.knobs.build.impl``, else ``$CC``, else ``gcc``, else
-   ``clang``; ``triton/runtime/build.py``), or else
-2. a trial launch of a one-element kernel succeeds (the cache may hold a build made elsewhere).
+Who asks: ``implementation="auto"`` of the kernels (:mod:`.implementation`) and ``backend="auto"`` of the entry points
+(flex on CUDA only where the probe passes; ``backends.flex.compiled_kernels_launch``).
 
 The probe runs once per process, writes one int32, and draws no random numbers (the caller's RNG streams stay as
 they were, so seeded runs do not depend on whether it ran).
@@ -88,18 +92,19 @@ def _probe(device: torch.device) -> LaunchStatus:
     if not triton_importable():
         return LaunchStatus(False, "Triton is not importable")
     compiler = find_c_compiler()
-    if compiler is not None:
-        return LaunchStatus(True, f"C compiler {compiler}")
+    found = (
+        f"C compiler {compiler}"
+        if compiler is not None
+        else "no C compiler found (Triton builds its CUDA launcher with $CC, gcc or clang)"
+    )
     try:
         trial_launch(device)
     except Exception as exc:  # Triton raises RuntimeError, CalledProcessError, ImportError ... depending on version
         first_line = (str(exc).splitlines() or [""])[0][:200]
-        return LaunchStatus(
-            False,
-            f"no C compiler found (Triton builds its CUDA launcher with $CC, gcc or clang) and a trial launch "
-            f"failed: {type(exc).__name__}: {first_line}",
-        )
-    return LaunchStatus(True, "no C compiler found, but a trial launch succeeded (Triton's cache holds its launcher)")
+        return LaunchStatus(False, f"{found}, and a trial launch failed: {type(exc).__name__}: {first_line}")
+    if compiler is None:
+        return LaunchStatus(True, f"{found}, but a trial launch succeeded (Triton's cache holds its launcher)")
+    return LaunchStatus(True, f"a trial launch succeeded ({found})")
 
 
 def warn_fallback_once(status: LaunchStatus) -> None:
@@ -110,8 +115,8 @@ def warn_fallback_once(status: LaunchStatus) -> None:
     _warned = True
     warnings.warn(
         f"Triton kernels cannot launch on CUDA here ({status.reason}); the log-softmax-gather statistics use the "
-        "torch implementation instead (same results, slower). Install gcc or clang, or set CC to a C compiler, "
-        "to use the Triton kernels.",
+        "torch implementation instead (same results, slower). Install gcc or clang (or set CC to a C compiler) and "
+        "Python's development headers to use the Triton kernels.",
         RuntimeWarning,
         stacklevel=4,
     )

@@ -56,12 +56,18 @@ def prepare_model(model: nn.Module) -> PreparedModel:
 
     Raises:
         UnsupportedModelError: the model type is not supported or its head does not match its logits.
+        ValueError: the model's weights are meta tensors (shapes without data).
     """
     causal_lm = check_supported(model)
+    embeddings = causal_lm.get_input_embeddings()
+    if embeddings.weight.is_meta:
+        raise ValueError(
+            f"model: {type(causal_lm).__name__}'s weights are meta tensors (shapes without data); load or materialize "
+            "them (e.g. model.to_empty(device=...) and initialize, or from_pretrained) before computing log-probs"
+        )
     head = head_spec(causal_lm)
     install_attention(causal_lm)
     install_head_proxy(head.lm_head)
-    embeddings = causal_lm.get_input_embeddings()
     prepared = PreparedModel(
         outer=model,
         causal_lm=causal_lm,

@@ -19,9 +19,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--prompts", type=int, default=2, help="B, prompts per batch, per device (default: %(default)s)"
     )
-    parser.add_argument("--prompt-len", type=int, required=True, help="P, padded prompt width")
-    parser.add_argument("--completion-len", type=int, required=True, help="C, padded completion width")
+    parser.add_argument("--prompt-len", type=int, required=True, help="P, padded prompt width (the longest prompt)")
+    parser.add_argument(
+        "--completion-len", type=int, required=True, help="C, padded completion width (the longest completion)"
+    )
     parser.add_argument("--generations", type=int, required=True, help="G, completions per prompt")
+    ragged = parser.add_argument_group(
+        "ragged batches",
+        "real token counts of batches whose prompts and completions are shorter than P and C (default: every prompt "
+        "P and every completion C tokens); give the totals or the mean lengths",
+    )
+    ragged.add_argument("--prompt-tokens", type=int, default=None, help="real tokens of the B prompts together")
+    ragged.add_argument(
+        "--completion-tokens", type=int, default=None, help="real tokens of the B x G completions together"
+    )
+    ragged.add_argument("--mean-prompt-len", type=float, default=None, help="mean real prompt length")
+    ragged.add_argument("--mean-completion-len", type=float, default=None, help="mean real completion length")
     parser.add_argument("--workload", default="train", help="score (no gradients) or train (default: %(default)s)")
     parser.add_argument("--dtype", default="bf16", help=f"one of {', '.join(DTYPE_BYTES)} (default: %(default)s)")
     parser.add_argument(
@@ -41,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--unpadded-prompts",
         action="store_true",
-        help="no prompt is left-padded (expand: no Phase 1 mask, one Phase 2 mask for every row)",
+        help="no prompt is left-padded (expand: one mask row for every completion)",
     )
     parser.add_argument(
         "--head-implementation",
@@ -63,15 +76,20 @@ def run(args: argparse.Namespace) -> int:
     """Print the plan for ``args``; errors in the options exit with a message naming the option."""
     try:
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        if not methods:
+            raise ValueError(f"--methods: no method given; choose from {', '.join(METHODS)}")
         unknown = [m for m in methods if m not in METHODS]
         if unknown:
             raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(METHODS)}")
         dims = load_dims(args.model).with_layers(args.layers)
+        prompt_tokens, completion_tokens = real_token_counts(args)
         workload = Workload(
             args.prompts,
             args.prompt_len,
             args.completion_len,
             args.generations,
+            prompt_tokens=prompt_tokens,
+            scored_tokens=completion_tokens,
             mode=args.workload,
             dtype=args.dtype,
             gradient_checkpointing=args.gradient_checkpointing,
@@ -93,9 +111,13 @@ def run(args: argparse.Namespace) -> int:
         records = [{**p.record(), **({"max_generations": best_g[p.memory.method]} if best_g else {})} for p in plans]
         print(json.dumps({"model": dims.name, "workload": workload.__dict__, "methods": records}, indent=1))
         return 0
+    experts = "" if dims.experts is None else f" ({dims.experts.count} experts, {dims.experts.per_token} per token)"
+    real = ""
+    if workload.prompt_tokens is not None or workload.scored_tokens is not None:
+        real = f" ({workload.real_prompt_tokens} prompt and {workload.scored} completion tokens real)"
     print(
-        f"{dims.name}: {dims.params / 1e9:.2f}B params, {dims.layers} layers; B={workload.prompts}"
-        f" P={workload.prompt_len} C={workload.completion_len} G={workload.generations} {workload.mode}"
+        f"{dims.name}: {dims.params / 1e9:.2f}B params{experts}, {dims.layers} layers; B={workload.prompts}"
+        f" P={workload.prompt_len} C={workload.completion_len} G={workload.generations}{real} {workload.mode}"
         f" {workload.dtype}; {engine.kind} x {engine.world_size}, {_gib(engine.memory_bytes)} each"
     )
     print("| method | peak per device | fits | largest terms | TFLOPs |" + (" max G |" if best_g else ""))
@@ -112,8 +134,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def real_token_counts(args: argparse.Namespace) -> tuple[int | None, int | None]:
+    """(real prompt tokens of the B prompts, real completion tokens of the B x G rows) from ``--prompt-tokens`` /
+    ``--mean-prompt-len`` and ``--completion-tokens`` / ``--mean-completion-len`` (None where neither is given)."""
+
+    def total(count, mean, per, count_option, mean_option):
+        if count is not None and mean is not None:
+            raise ValueError(f"{count_option}: give {count_option} or {mean_option}, not both")
+        if mean is None:
+            return count
+        if not mean > 0:
+            raise ValueError(f"{mean_option}: must be positive, got {mean}")
+        return round(mean * per)
+
+    rows = args.prompts * args.generations
+    prompts = total(args.prompt_tokens, args.mean_prompt_len, args.prompts, "--prompt-tokens", "--mean-prompt-len")
+    completions = total(
+        args.completion_tokens, args.mean_completion_len, rows, "--completion-tokens", "--mean-completion-len"
+    )
+    return prompts, completions
+
+
 _OPTION_OF = {
     "prompts": "--prompts",
+    "prompt_tokens": "--prompt-tokens",
+    "scored_tokens": "--completion-tokens",
     "prompt_len": "--prompt-len",
     "completion_len": "--completion-len",
     "generations": "--generations",

@@ -2,12 +2,13 @@
 
 A matmul of (m, k) by (k, n) is 2 m k n FLOPs (``torch.utils.flop_counter`` counts the same); backward is twice
 the forward (gradients of both operands). Per token and layer the body's projections and gated MLP cost
-2 x (H (h d + g (d + dv)) + h dv H + 3 H I). Attention costs 2 x h x (d + dv) per (query, visible key) pair; the
-counted pairs are what the kernels compute: full rows' causal SDPA is counted by ``FlopCounterMode`` as the whole
-(T x T) square (it does not know about causality), the shared path's Phase 2 as C x (Lp + C) per row. ``dense``
-forwards each row's real prompt tokens (no prompt pads) and C completion columns; ``trl`` padded rows of P + C. The
-head is 2 x H x V per scored token (the dense path computes C + 1 positions per row, TRL's CPU fallback every
-position).
+2 x (H (h d + g (d + dv)) + h dv H + 3 H I); in a mixture-of-experts layer I is the width of the token's top-k
+experts and the shared ones, plus the router's H x E. Attention costs 2 x h x (d + dv) per (query, visible key)
+pair; the counted pairs are what the kernels compute: full rows' causal SDPA is counted by ``FlopCounterMode`` as
+the whole (T x T) square (it does not know about causality), the shared path's completions' node call as C x (P + C)
+per row. ``dense`` forwards each row's real prompt tokens (no prompt pads) and C completion columns; ``trl`` padded
+rows of P + C; the shared path each prompt's and each completion's real tokens once. The head is 2 x H x V per scored
+token (the dense path computes C + 1 positions per row, TRL's CPU fallback every position).
 
 These are the FLOPs each method executes; ``bench.flops`` counts the real work a method must do (causal pairs, the
 real completion tokens), for the floors, a different quantity.
@@ -18,7 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .dims import ModelDims
-from .workload import Workload
+from .memory import keeps_logits
+from .workload import Engine, Workload
 
 
 @dataclass(frozen=True)
@@ -34,12 +36,10 @@ class FlopCount:
 
 
 def body_flops_per_token(dims: ModelDims) -> int:
-    """Forward FLOPs of one token through one layer's projections and MLP."""
-    q = dims.heads * dims.head_dim
-    kv = dims.kv_heads * (dims.head_dim + dims.v_head_dim)
-    return 2 * (
-        dims.hidden * (q + kv) + dims.heads * dims.v_head_dim * dims.hidden + 3 * dims.hidden * dims.intermediate
-    )
+    """Forward FLOPs of one token through one layer's projections and MLP, averaged over the layers: in a
+    mixture-of-experts layer the router and the token's top-k experts (and the shared ones), not every expert."""
+    mlp = 3 * dims.hidden * dims.mlp_width + dims.hidden * dims.router_width
+    return round(2 * (dims.attention_weights + mlp))
 
 
 def attention_flops(dims: ModelDims, queries: int, keys: int) -> int:
@@ -49,7 +49,7 @@ def attention_flops(dims: ModelDims, queries: int, keys: int) -> int:
 
 def count_flops(method: str, dims: ModelDims, w: Workload, *, device: str = "cpu") -> FlopCount:
     """Forward (and with ``train``, backward) FLOPs of ``method`` on ``w``, split into body, attention and head."""
-    lp, c, rows = w.prompt_len - 1, w.completion_len, w.rows
+    c, rows = w.completion_len, w.rows
     factor = 3 if w.train else 1
     if method == "dense":
         # Rows of their real prompt tokens and C completion columns (no prompt pads, ``bench.methods``); the
@@ -64,11 +64,16 @@ def count_flops(method: str, dims: ModelDims, w: Workload, *, device: str = "cpu
         attention = rows * attention_flops(dims, width, width)
         head_tokens = rows * (width - 1) if device == "cpu" else w.scored
     else:
-        tokens = w.prompts * lp + rows * c
-        attention = w.prompts * attention_flops(dims, lp, lp) + rows * attention_flops(dims, c, lp + c)
+        # The two-level trie's node calls: each prompt's real tokens once, then each row's real completion tokens;
+        # attention over each call's nodes padded to its longest (prompts causally, completions over their prompt).
+        tokens = w.real_prompt_tokens + w.scored
+        p = w.prompt_len
+        attention = w.prompts * attention_flops(dims, p, p) + rows * attention_flops(dims, c, p + c)
         head_tokens = w.scored
     head = 2 * head_tokens * dims.hidden * dims.vocab
-    if method in ("expand", "flex", "chunked", "trl") and w.train:
+    if method == "chunked" and w.train and keeps_logits(dims, w, Engine(device=device), w.scored):
+        head_factor = 3  # the chunked backward's head keeps its logits for backward where they fit
+    elif method in ("expand", "flex", "chunked", "trl") and w.train:
         head_factor = 4  # fused heads recompute the chunk's logits in backward
     else:
         head_factor = factor

@@ -1,8 +1,10 @@
 """Peak memory per device of each method, term by term.
 
 Sizes (:class:`~.dims.ModelDims`): H hidden, I intermediate, h query and g KV heads of size d (values dv), V vocab,
-n_layers layers, s bytes per element. Workload: B prompts of width P, G generations of width C, R = B x G rows,
-Lp = P - 1 prefix keys (Phase 1 forwards ``prompt[:, :-1]``), n scored completion tokens.
+n_layers layers, s bytes per element. Workload: B prompts of width P (their real tokens Pt), G generations of width C,
+R = B x G rows, n scored (real) completion tokens. The shared methods run a grouped batch's two-level trie: the
+prompts' node call (Pt tokens, each prompt a node padded to P in attention), then the completions' (n tokens, each
+row a node padded to C, attending over its prompt's P keys).
 
 Saved for backward per token and layer (what a Llama/Qwen layer's autograd graph holds, read from its ops):
     2 RMSNorms      2 x (8H + 4)    float32 x / rsqrt(var) and the normalized output (the same bytes in bf16, where
@@ -11,34 +13,40 @@ Saved for backward per token and layer (what a Llama/Qwen layer's autograd graph
                                     residual is upcast into a copy, which the norms' terms count)
     q, k, v         (h d + g (d + dv)) x s   post-RoPE, saved by SDPA
     attention out   h dv x s + 4h   and its float32 log-sum-exp
-    gated MLP       4 I x s         gate, silu(gate), up, their product
+    gated MLP       4 I x s         gate, silu(gate), up, their product (mixture of experts: I of the token's
+                                    top-k experts and the shared ones, its copies gathered into and out of the
+                                    experts, the router's float32 logits and probabilities, averaged over layers)
 With gradient checkpointing only the layer input (H x s) stays; one layer's terms come back during backward.
 
 Per method (``dense`` forwards R rows of their real prompt tokens and C completion columns, without a padding
 mask, prompts of one real length together; ``trl`` R rows of P + C tokens with their padding mask; ``expand``,
-``flex`` and ``chunked`` B x Lp prompt tokens once and R x C completion tokens):
+``flex`` and ``chunked`` the node calls above):
     dense     logits (R, C + 1, V) x s, float32 (R, C, V) tempered logits and log-probs, their gradients in backward
     trl       TRL's fused head: (min(N, 4096), min(V, 32768)) tiles, N = all R x (P + C - 1) positions where Triton
               is not used (CPU), the scored ones on CUDA; float32 (V, H) weight gradient
-    expand    additive masks (16-aligned key dims; none in Phase 1 and one row's in Phase 2 for unpadded prompts
-              without a window) and per-row gathered prompt K/V (:func:`expand_terms`, sizes from
+    expand    SDPA's padded queries and outputs (:func:`_expand_saved`), additive masks (16-aligned key dims; none
+              for the prompts' call unless a window hides keys, one row's for the completions when every prompt
+              has P real tokens) and per-row gathered prompt K/V (:func:`expand_terms`, sizes from
               ``backends.expand_memory``). On CPU SDPA saves the gathered K/V of every layer. On CUDA, the fused
               path, KV heads are repeated for a kernel that rejects grouped heads (counted whenever heads are
-              grouped: an upper bound), Phase 1's SDPA saves its repeated K/V in every layer, and Phase 2's
-              gathered attention is recomputed in backward: no per-row copy or log-sum-exp saved, but a layer's
-              attention backward holds its gathered (or repeated) K/V and their gradients at once
+              grouped: an upper bound), the prompts' SDPA saves its repeated K/V in every layer, and the
+              completions' gathered attention is recomputed in backward: no per-row copy or log-sum-exp saved, but a
+              layer's attention backward holds its gathered (or repeated) K/V and their gradients at once
     flex      no per-row copies: each layer saves packed [prompts ; completions] keys/values (a copy of the
               prompts', lengths rounded up to 128) instead of the rows' own; the block mask's few bytes
-    chunked   Phase 1 saved once plus one generation chunk's Phase 2 at a time (``generations_per_chunk``, G/4 as
-              the bench runs it by default), the prompts' K/V gradients accumulated beside
-    all shared methods: Phase 1 runs the final norm over the prompts too; the fused head's row chunks
+    chunked   the prompts' call saved once (its K/V gradients accumulated beside) plus one generation chunk's call at
+              a time (``generations_per_chunk``, G/4 as the bench runs it by default), whose fused head keeps its
+              logits for backward where they fit; the head's and the embedding's weight gradients in float32
+              buffers through the call (one device, full training)
+    no-grad   chunks of rows within the default token budget (``engine.budget``), a leaf call keeping no K/V
+    all shared methods: the prompts' call runs the final norm over the prompts too; the fused head's row chunks
     (``kernels.fused_head``: float32 logits of <= 256 MiB on CPU, <= 8 GiB on CUDA) with the torch statistics'
     float32 temporaries beside them (CPU, or CUDA where Triton cannot launch: ``Engine.head_implementation``), its
-    float32 (V, H) weight-gradient accumulator
+    float32 (V, H) weight-gradient accumulator; the plan's and the calls' integer tensors (about 20 int64 per
+    token, and expand's index of every (row, prompt token))
 
 Not modelled: explicit attention scores (softcap or sinks models on expand, ``expand_memory.scores_bytes``), a
-second set of masks for models mixing windowed and full-attention layers, and the bookkeeping tensors of a call
-(RoPE tables, positions, indices: kilobytes per thousand tokens).
+second set of masks for models mixing windowed and full-attention layers, and RoPE tables.
 
 On ``cuda`` the parameters, gradients (trainable share) and optimizer states are added, divided by the world size
 under FSDP2 / ZeRO-3 (which also hold one layer unsharded at a time); on ``cpu`` (``bench --device cpu``) the
@@ -59,7 +67,7 @@ from .workload import OPTIMIZER_STATE_BYTES, Engine, Workload
 
 METHODS = ("dense", "trl", "expand", "flex", "chunked")
 
-#: Float32 logits one fused-head chunk may hold on CPU (``kernels.fused_head.DEFAULT_CHUNK_BYTES``).
+#: Bytes one fused-head chunk may hold on CPU (``kernels.fused_head.DEFAULT_CHUNK_BYTES``).
 CPU_HEAD_CHUNK_BYTES = 256 * 2**20
 #: On CUDA the fused head sizes its chunk from free memory, within these bounds (``GPU_CHUNK_BYTES_BOUNDS``); the
 #: plan takes the upper bound.
@@ -86,14 +94,23 @@ class MemoryPlan:
 
 
 def layer_bytes_per_token(dims: ModelDims, s: int) -> int:
-    """Bytes one token saves for backward in one decoder layer (module docstring)."""
+    """Bytes one token saves for backward in one decoder layer (module docstring), averaged over the layers."""
     norms = 2 * (8 * dims.hidden + 4)
     # A float32 residual is what the norm's float32 upcast aliases (and saves); a half-precision one is upcast
     # into a copy (counted in the norms) and saved by nothing.
     residuals = 2 * dims.hidden * s if s == 4 else 0
     qkv = (dims.heads * dims.head_dim + dims.kv_heads * (dims.head_dim + dims.v_head_dim)) * s
     attention_out = dims.heads * dims.v_head_dim * s + 4 * dims.heads
-    return norms + residuals + qkv + attention_out + 4 * dims.intermediate * s
+    return round(norms + residuals + qkv + attention_out + 4 * dims.mlp_width * s + _routing_bytes_per_token(dims, s))
+
+
+def _routing_bytes_per_token(dims: ModelDims, s: int) -> float:
+    """What a mixture-of-experts layer saves per token beyond its experts' gated MLPs, averaged over the layers: the
+    router's float32 logits and probabilities, and the token's copies gathered into and out of its top-k experts."""
+    if dims.experts is None:
+        return 0
+    share = dims.moe_layers / dims.layers
+    return share * (8 * dims.experts.count + 2 * dims.experts.per_token * dims.hidden * s)
 
 
 def final_norm_bytes_per_token(dims: ModelDims, s: int) -> int:
@@ -103,8 +120,8 @@ def final_norm_bytes_per_token(dims: ModelDims, s: int) -> int:
 
 def layer_transient_bytes_per_token(dims: ModelDims, s: int) -> int:
     """The largest moment inside one layer without gradients: the input and the residual, the MLP's normalized
-    input, silu(gate), up and their product."""
-    return 3 * dims.hidden * s + 3 * dims.intermediate * s
+    input, silu(gate), up and their product (the widest layer's: a MoE layer's top-k and shared experts)."""
+    return 3 * dims.hidden * s + 3 * dims.widest_mlp * s
 
 
 class _Moments:
@@ -135,29 +152,45 @@ def _recompute(dims: ModelDims, w: Workload, tokens: int, extra_per_layer: int =
     return tokens * layer_bytes_per_token(dims, w.itemsize) + extra_per_layer
 
 
-def _head_chunk_rows(dims: ModelDims, rows: int, engine: Engine) -> int:
+def _head_chunk_rows(dims: ModelDims, rows: int, engine: Engine, itemsize: int) -> int:
+    """Rows of one fused-head chunk: the budget over the bytes a row holds per logit in the matmul dtype
+    (``kernels.fused_head.chunk_logit_bytes`` without a softcap; with one, 8 bytes a logit in fewer rows: the same
+    bytes)."""
     budget = CUDA_HEAD_CHUNK_BYTES if engine.device == "cuda" else CPU_HEAD_CHUNK_BYTES
-    return max(1, min(max(rows, 1), budget // (4 * dims.vocab)))
+    return max(1, min(max(rows, 1), budget // (itemsize * dims.vocab)))
 
 
-def _fused_head(dims: ModelDims, w: Workload, engine: Engine, scored: int) -> tuple[dict, dict]:
-    """The library's fused head over ``scored`` rows: (forward transient, backward transient) terms."""
+def _fused_head(dims: ModelDims, w: Workload, engine: Engine, scored: int, *, keep: bool = False) -> tuple[dict, dict]:
+    """The library's fused head over ``scored`` rows: (forward transient, backward transient) terms. With ``keep``
+    (the chunked backwards, where the logits fit: ``kernels.fused_head.keep_logits_bytes``) forward keeps every
+    chunk's logits for backward instead of recomputing them."""
     s, v = w.itemsize, dims.vocab
-    chunk = _head_chunk_rows(dims, scored, engine)
+    chunk = _head_chunk_rows(dims, scored, engine, s)
     # The torch statistics (CPU, and CUDA where Triton cannot launch) hold a float32 copy beside the chunk's
     # logits, and three float32 buffers in backward; the Triton kernels work in the logits' buffer, and backward
     # adds its cast for the matmuls.
     forward_per_entry, backward_per_entry = (s, 2 * s) if engine.head_statistics == "triton" else (s + 4, s + 12)
     forward = {"head chunk": chunk * v * forward_per_entry, "head input": scored * dims.hidden * s}
+    if keep:
+        forward["kept logits"] = scored * v * s
     if not w.train:
         return forward, {}
     backward = {
-        "head chunk": chunk * v * backward_per_entry,
+        "head chunk": chunk * v * (backward_per_entry - (s if keep else 0)),
         "head input": scored * dims.hidden * s,
         "head input grad": scored * dims.hidden * s,
         "head weight grad (fp32)": _head_weight_grad(dims, w),
     }
+    if keep:
+        backward["kept logits"] = scored * v * s
     return forward, backward
+
+
+def keeps_logits(dims: ModelDims, w: Workload, engine: Engine, scored: int) -> bool:
+    """Whether a chunked backward's node call of ``scored`` head rows keeps its logits (``keep_logits_bytes``: 1 GiB
+    on CPU, one head chunk's budget on CUDA)."""
+    budget = CUDA_HEAD_CHUNK_BYTES if engine.device == "cuda" else 4 * CPU_HEAD_CHUNK_BYTES
+    return scored * dims.vocab * w.itemsize <= budget
 
 
 def fused_attention_path(engine: Engine) -> bool:
@@ -169,32 +202,32 @@ def fused_attention_path(engine: Engine) -> bool:
 
 def expand_terms(dims: ModelDims, w: Workload, engine: Engine, rows: int) -> dict[str, int]:
     """``expand``'s attention memory beyond the model's activations for ``rows`` completion rows, by name (bytes;
-    sizes from ``backends.expand_memory``):
+    sizes from ``backends.expand_memory``). A grouped batch is a two-level trie: the prompts' node call (each prompt
+    one node of up to P tokens, no ancestors), then the completions' (each completion one node of up to C tokens
+    under its prompt's P):
 
-    - ``prompt mask``: Phase 1's additive mask of every prompt, none for unpadded prompts without a window shorter
-      than the prompt (they run causal SDPA without a mask);
-    - ``row masks``: Phase 2's masks, one per row, or one row's shared by all when no prompt is padded and no window
-      hides a key;
+    - ``prompt mask``: none: a node without ancestors runs causal SDPA (padding after a node's tokens is hidden by
+      causality), unless a window shorter than the prompt hides keys (then one mask per prompt);
+    - ``row masks``: the completions' masks, one per row, or one row's shared by all when every prompt has P real
+      tokens and no window hides a key;
     - ``gathered K/V (one layer)``: each row's [prompt ; own] keys and values;
     - ``repeated K/V (one layer)``, ``prompt repeated K/V (one layer)``: on the fused path with grouped heads, the
       rows' and the prompts' keys and values repeated to every query head. Counted whether or not the kernel
-      torch picks takes grouped heads natively (which depends on the GPU, torch and cuDNN): an upper bound, as
-      ``token_budget`` counts it.
+      torch picks takes grouped heads natively (which depends on the GPU, torch and cuDNN): an upper bound.
 
     Masks are allocated with their key dim rounded up to a multiple of 16 (``expand_memory.MASK_ALIGNMENT``), so
     that SDPA's memory-efficient kernel does not copy them in every layer.
     """
     shape = attention_shape(dims, w)
-    lp, c = w.prompt_len - 1, w.completion_len
-    prompt_masked = w.padded_prompts or dims.windowed(lp)
-    rows_masked = w.padded_prompts or dims.windowed(lp + c)
+    p, c = w.prompt_len, w.completion_len
+    rows_masked = w.padded_prompts or dims.windowed(p + c)
     repeats = fused_attention_path(engine) and dims.kv_heads != dims.heads
     return {
-        "prompt mask": w.prompts * mask_bytes(lp, lp, w.itemsize) if prompt_masked else 0,
-        "row masks": (rows if rows_masked else 1) * mask_bytes(c, lp + c, w.itemsize),
-        "gathered K/V (one layer)": rows * kv_bytes(shape, dims.kv_heads, lp + c),
-        "repeated K/V (one layer)": rows * kv_bytes(shape, dims.heads, lp + c) if repeats else 0,
-        "prompt repeated K/V (one layer)": w.prompts * kv_bytes(shape, dims.heads, lp) if repeats else 0,
+        "prompt mask": w.prompts * mask_bytes(p, p, w.itemsize) if dims.windowed(p) else 0,
+        "row masks": (rows if rows_masked else 1) * mask_bytes(c, p + c, w.itemsize),
+        "gathered K/V (one layer)": rows * kv_bytes(shape, dims.kv_heads, p + c),
+        "repeated K/V (one layer)": rows * kv_bytes(shape, dims.heads, p + c) if repeats else 0,
+        "prompt repeated K/V (one layer)": w.prompts * kv_bytes(shape, dims.heads, p) if repeats else 0,
     }
 
 
@@ -213,7 +246,7 @@ def attention_shape(dims: ModelDims, w: Workload) -> AttentionShape:
 
 
 def _packed_kv_bytes(dims: ModelDims, w: Workload, prompt_tokens: int, row_tokens: int) -> int:
-    """flex's keys and values of one Phase 2 layer: [prefixes ; completions] packed in one tensor (a copy of the
+    """flex's keys and values of one completions' layer: [prompts ; completions] packed in one tensor (a copy of the
     prompts' captured keys/values), its length rounded up to the 128-token blocks of the masks (``backends.flex``)."""
     length = -(-(prompt_tokens + row_tokens) // FLEX_BLOCK) * FLEX_BLOCK
     return length * dims.kv_heads * (dims.head_dim + dims.v_head_dim) * w.itemsize
@@ -327,73 +360,140 @@ def _dense_like(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _M
     return m
 
 
+def _expand_saved(dims: ModelDims, s: int, tokens: int, nodes: int, width: int, ancestors: int, fused: bool) -> int:
+    """Bytes one layer of an ``expand`` node call saves for backward beyond :func:`layer_bytes_per_token` of its
+    ``tokens`` packed tokens: its ``nodes`` padded to ``width`` queries, each over ``ancestors`` ancestor tokens.
+
+    SDPA saves its padded query and output (the packed output, a copy, is the output projection's input) and, where
+    the query is padded, a log-sum-exp per padded slot; on CPU the keys/values it attended over ([ancestors ; own]
+    per node). A call without ancestors keeps its packed keys/values (the states later calls attend over), a leaf
+    call does not. On the fused path a call with ancestors is recomputed in backward: it saves its packed inputs
+    and no log-sum-exp; one without saves the keys/values repeated per query head (``prompt repeated K/V``) or,
+    without a repeat, its padded keys/values.
+    """
+    padded = nodes * width
+    kv = dims.kv_heads * (dims.head_dim + dims.v_head_dim) * s
+    if fused and ancestors:
+        return -tokens * 4 * dims.heads
+    query = (padded - tokens) * (dims.heads * dims.head_dim * s + 4 * dims.heads)
+    output = padded * dims.heads * dims.v_head_dim * s
+    if ancestors:
+        keys = nodes * (ancestors + width) * kv - tokens * kv  # the gathered copies; the leaf's own are freed
+    else:
+        keys = 0 if fused and dims.heads > dims.kv_heads else padded * kv
+    return query + output + keys
+
+
+def _scoring_chunk(dims: ModelDims, w: Workload, engine: Engine, method: str) -> tuple[int, int]:
+    """(prompts, rows) of the largest chunk a no-grad call takes within the default token budget: rows go in
+    depth-first order (a prompt's G rows together), and a chunk counts its prompts' nodes and its rows' nodes at the
+    call's largest, memory terms included (``engine.budget``, ``expand`` only; the packed layouts count tokens)."""
+    from ..engine.budget import DEFAULT_TOKEN_BUDGET, NodeCosts
+
+    p, c = w.prompt_len, w.completion_len
+    costs = NodeCosts(None)
+    if method != "flex":
+        repeats = fused_attention_path(engine) and dims.heads > dims.kv_heads
+        costs = NodeCosts(attention_shape(dims, w), repeats_kv=repeats)
+    shared = not (w.padded_prompts or dims.windowed(p + c))
+    per_prompt = costs.node_tokens(0, p)
+    per_row = costs.node_tokens(p, c, own_mask=not shared)
+    fixed = costs.calls_tokens({1: (1, p, p, c, c)}) - per_row if shared else 0  # the one shared mask row
+    largest = (0, 0)
+    prompts = rows = 0
+    for row in range(w.rows):
+        first = row % w.generations == 0  # the row's prompt joins the chunk
+        cost = (prompts + first) * per_prompt + (rows + 1) * per_row + fixed
+        if rows and cost > DEFAULT_TOKEN_BUDGET:
+            largest = max(largest, (rows, prompts))
+            prompts, rows, first = 0, 0, True
+        prompts += first
+        rows += 1
+    rows, prompts = max(largest, (rows, prompts))
+    return prompts, rows
+
+
 def _shared(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _Moments:
-    s, lp, c = w.itemsize, w.prompt_len - 1, w.completion_len
+    """The node calls of a grouped batch's two-level trie (the prompts' call, then the completions'), without
+    gradients chunked by the token budget, with them in one graph, or (``chunked``) the prompts' call alive across
+    the chunks of generations, each chunk's call back-propagated before the next."""
+    s, p, c = w.itemsize, w.prompt_len, w.completion_len
     kv_per_token = dims.kv_heads * (dims.head_dim + dims.v_head_dim) * s
     fused = fused_attention_path(engine)
     m = _Moments()
-    chunk_g = w.chunk_generations if (method == "chunked" and w.train) else w.generations
-    rows = w.prompts * chunk_g
-    scored = w.scored * chunk_g // w.generations
-    prompt_tokens, row_tokens = w.prompts * lp, rows * c
+    prompt_share, row_share = w.real_prompt_tokens / w.prompts, w.scored / w.rows  # real tokens per prompt, per row
+    if not w.train:
+        prompts, rows = _scoring_chunk(dims, w, engine, method)
+    elif method == "chunked":
+        prompts, rows = w.prompts, w.prompts * w.chunk_generations
+    else:
+        prompts, rows = w.prompts, w.rows
+    prompt_tokens, row_tokens = round(prompts * prompt_share), round(rows * row_share)
     extra = expand_terms(dims, w, engine, rows)
-    if method == "flex":  # packed: no per-row copies, no dense masks
+    extra["prompt repeated K/V (one layer)"] = extra["prompt repeated K/V (one layer)"] * prompts // w.prompts
+    extra["prompt mask"] = extra["prompt mask"] * prompts // w.prompts
+    if method == "flex":  # packed: no per-node copies, no dense masks
         extra = dict.fromkeys(extra, 0)
-    # The masks are cached on the phases' contexts, and Phase 2's context holds Phase 1's: both live until the
-    # completions' forward (the head included) returns, and, with gradients, until backward.
+    # A call's masks are cached on its context; with gradients they live until its backward.
     masks = {name: extra[name] for name in ("prompt mask", "row masks")}
     gathered = {name: extra[name] for name in ("gathered K/V (one layer)", "repeated K/V (one layer)")}
     prompt_repeated = extra["prompt repeated K/V (one layer)"]
     packed = {"packed K/V (one layer)": _packed_kv_bytes(dims, w, prompt_tokens, row_tokens) if method == "flex" else 0}
+    stored = {"stored prompt K/V": prompt_tokens * kv_per_token * dims.layers}  # what the completions attend over
+    # The plan's and the calls' integer tensors: about 20 int64 per token (the trie, the scored pairs, where results
+    # go, the calls' packing), and expand's index of every (row, ancestor token).
+    book = {"plan and call indices": (prompt_tokens + row_tokens) * 160 + (rows * p * 9 if method != "flex" else 0)}
+    # The prompts' call scores the first token of each row (its last token predicts it), the completions' the rest.
+    scored = max(row_tokens - rows, 0)
     if not w.train:
-        captured = {"captured prompt K/V": prompt_tokens * kv_per_token * dims.layers}
-        phase1_layer = prompt_tokens * layer_transient_bytes_per_token(dims, s)
         m.add(
+            **book,
             **{
-                "layer transient": phase1_layer,
+                "layer transient": prompt_tokens * layer_transient_bytes_per_token(dims, s),
                 "prompt mask": masks["prompt mask"],
                 "prompt repeated K/V (one layer)": prompt_repeated,
-            }
+            },
         )
-        m.add(
-            **captured,
-            **{"layer transient": row_tokens * layer_transient_bytes_per_token(dims, s)},
-            **gathered,
-            **packed,
-            **masks,
-        )
+        # The completions' call is a leaf call: no later call attends over it, it keeps no keys/values.
+        transient = {"layer transient": row_tokens * layer_transient_bytes_per_token(dims, s)}
+        m.add(**book, **stored, **transient, **gathered, **packed, **{"row masks": masks["row masks"]})
         head_forward, _ = _fused_head(dims, w, engine, scored)
-        m.add(**captured, **{"last hidden states": 2 * row_tokens * dims.hidden * s}, **head_forward, **masks)
+        last = {"last hidden states": row_tokens * dims.hidden * s, "row masks": masks["row masks"]}
+        m.add(**book, **stored, **last, **head_forward)
         return m
     if method == "flex":
         # flex_attention saves each layer's packed keys/values in place of the rows' own.
-        phase2_extra = packed["packed K/V (one layer)"] - row_tokens * kv_per_token
-    elif fused:
-        # The fused path saves no per-row copy: the gathered attention is recomputed in backward, so Phase 2's
-        # layers save their own keys/values and no SDPA log-sum-exp (4 bytes per query head and token).
-        phase2_extra = -row_tokens * 4 * dims.heads
+        prompt_extra = 0
+        row_extra = packed["packed K/V (one layer)"] - row_tokens * kv_per_token
     else:
-        # CPU's SDPA saves each layer's gathered K/V (the rows' own keys/values among them) and its log-sum-exp.
-        phase2_extra = gathered["gathered K/V (one layer)"] - row_tokens * kv_per_token
-    # Phase 1 runs the final norm over the prompts too (its head returns nothing, so the norm's output is not saved).
+        prompt_extra = _expand_saved(dims, s, prompt_tokens, prompts, p, 0, fused)
+        row_extra = _expand_saved(dims, s, row_tokens, rows, c, p, fused)
+    # The prompts' call runs the final norm over every prompt token (its head reads the last token of each).
     prompt_final_norm = prompt_tokens * (final_norm_bytes_per_token(dims, s) - dims.hidden * s)
-    phase1 = _activations(dims, w, prompt_tokens) + prompt_final_norm
-    phase2 = _activations(dims, w, row_tokens, extra_per_layer=phase2_extra)
+    prompt_acts = _activations(dims, w, prompt_tokens, extra_per_layer=prompt_extra) + prompt_final_norm
+    row_acts = _activations(dims, w, row_tokens, extra_per_layer=row_extra)
     acts = {
-        "prompt activations": phase1,
-        "completion activations": phase2 + row_tokens * final_norm_bytes_per_token(dims, s),
-        # Phase 1's SDPA saves the repeated keys/values it was given, in every layer (one recomputed layer at a
+        "prompt activations": prompt_acts,
+        "completion activations": row_acts + row_tokens * final_norm_bytes_per_token(dims, s),
+        # The prompts' SDPA saves the repeated keys/values it was given, in every layer (one recomputed layer at a
         # time under gradient checkpointing, after the completions' backward).
         "prompt repeated K/V (saved)": 0 if w.gradient_checkpointing else prompt_repeated * dims.layers,
         **masks,
+        **book,
     }
     earlier = {}
+    keep = method == "chunked" and keeps_logits(dims, w, engine, scored)
+    buffers = _weight_grad_buffers(dims, w, engine) if method == "chunked" else 0
     if method == "chunked":
         acts["prompt K/V grads"] = prompt_tokens * kv_per_token * dims.layers
-        if chunk_g < w.generations and engine.device == "cpu":
-            # From the second chunk on, every parameter's .grad holds the earlier chunks' sum.
-            earlier = {"gradients": _trainable(dims, w) * s}
-    head_forward, head_backward = _fused_head(dims, w, engine, scored)
+        acts["head and embedding grad buffers (fp32)"] = buffers
+        if rows < w.rows and engine.device == "cpu":
+            # From the second chunk on, every parameter's .grad holds the earlier chunks' sum (the head's and the
+            # embedding's go to their buffers instead).
+            earlier = {"gradients": _trainable(dims, w) * s - (buffers * s // 4)}
+    head_forward, head_backward = _fused_head(dims, w, engine, scored, keep=keep)
+    if buffers:
+        head_backward.pop("head weight grad (fp32)", None)  # the fused head adds it into the buffer
     recomputed = {"recomputed layer": _recompute(dims, w, row_tokens)}
     m.add(**acts, **head_forward, **earlier)
     m.add(**acts, **head_backward, **earlier, **recomputed)
@@ -405,10 +505,22 @@ def _shared(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _Momen
         size = gathered[f"{name} (one layer)"]
         m.add(**acts, **earlier, **recomputed, **{f"{name} (one layer)": size, f"{name} grads (one layer)": size})
     if method == "chunked" and engine.device == "cpu":
-        # The last backward, through the prompt: its activations and K/V gradients beside every gradient.
-        end = _end_of_backward(dims, w, engine, accumulating=chunk_g < w.generations)
-        m.add(**{"prompt activations": phase1, "prompt K/V grads": acts["prompt K/V grads"]}, **end)
+        # The last backward, through the prompts' call: its activations and K/V gradients beside every gradient;
+        # then each buffer is handed to its parameter (in float32 it becomes the .grad, else a cast beside it).
+        end = _end_of_backward(dims, w, engine, accumulating=rows < w.rows)
+        if buffers:
+            end.pop("head and embedding grads", None)
+            end["head and embedding grad buffers (fp32)"] = buffers if s != 4 else 0
+        m.add(**{"prompt activations": prompt_acts, "prompt K/V grads": acts["prompt K/V grads"]}, **end)
     return m
+
+
+def _weight_grad_buffers(dims: ModelDims, w: Workload, engine: Engine) -> int:
+    """The chunked backwards' float32 buffers of the head's and the embedding's weight gradients (one for a tied
+    weight), alive through the call (``engine.weight_grads``: a model trained in full on one device, not sharded)."""
+    if w.lora_fraction is not None or engine.kind != "single":
+        return 0
+    return (1 if dims.tied else 2) * 4 * dims.vocab * dims.hidden
 
 
 def plan_memory(method: str, dims: ModelDims, workload: Workload, engine: Engine) -> MemoryPlan:

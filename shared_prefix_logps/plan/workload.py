@@ -47,9 +47,9 @@ class Workload:
             only compute these.
         prompt_tokens: real prompt tokens (None: all B x P); used by FLOP floors.
         generations_per_chunk: ``chunked_backward``'s chunk (None: G // 4, as the bench runs it).
-        padded_prompts: whether some prompt is left-padded. ``expand`` then builds a Phase 1 mask and a Phase 2 mask
-            per row; unpadded prompts (without a window shorter than the keys) run Phase 1 causally without a mask
-            and share one row's Phase 2 mask. True unless known otherwise: the larger prediction.
+        padded_prompts: whether some prompt is left-padded. ``expand`` then builds the completions' node call a mask
+            per row; unpadded prompts (without a window shorter than the keys) share one row's mask. True unless
+            known otherwise: the larger prediction.
     """
 
     prompts: int
@@ -76,14 +76,19 @@ class Workload:
         _choice("optimizer", self.optimizer, tuple(OPTIMIZER_STATE_BYTES))
         if self.lora_fraction is not None and not 0 < self.lora_fraction <= 1:
             raise ValueError(f"lora_fraction must be in (0, 1], got {self.lora_fraction}")
-        if self.prompt_len < 2:
-            raise ValueError(f"prompt_len must be at least 2 (Phase 1 forwards prompt[:, :-1]), got {self.prompt_len}")
         if self.generations_per_chunk is not None and not 1 <= self.generations_per_chunk <= self.generations:
             raise ValueError(
                 f"generations_per_chunk must be in [1, G={self.generations}], got {self.generations_per_chunk}"
             )
         if self.scored_tokens is not None and not 0 <= self.scored_tokens <= self.rows * self.completion_len:
-            raise ValueError(f"scored_tokens must be in [0, rows x C], got {self.scored_tokens}")
+            raise ValueError(
+                f"scored_tokens must be in [0, B x G x C = {self.rows * self.completion_len}], got {self.scored_tokens}"
+            )
+        if self.prompt_tokens is not None and not self.prompts <= self.prompt_tokens <= self.prompts * self.prompt_len:
+            raise ValueError(
+                f"prompt_tokens must be in [B = {self.prompts}, B x P = {self.prompts * self.prompt_len}] "
+                f"(every prompt holds 1 to P real tokens), got {self.prompt_tokens}"
+            )
         if not self.padded_prompts and self.real_prompt_tokens < self.prompts * self.prompt_len:
             raise ValueError(
                 f"padded_prompts=False, but prompt_tokens={self.prompt_tokens} < B x P = "
@@ -202,7 +207,9 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 
 
 def parse_memory_size(text: str, *, option: str = "--gpu-memory") -> int:
-    """Bytes of a size such as ``80GB`` (decimal), ``80GiB`` (binary), ``81920MiB`` or ``1024`` (bytes).
+    """Bytes of a size with its unit: ``80GB`` (decimal), ``80GiB`` (binary), ``81920MiB``, ``1024B`` (bytes).
+
+    A bare number is refused: ``80`` meant as 80 GB would otherwise be read as 80 bytes.
 
     Raises:
         ValueError: naming ``option`` when ``text`` is not such a size.
@@ -210,7 +217,11 @@ def parse_memory_size(text: str, *, option: str = "--gpu-memory") -> int:
     match = _SIZE.match(str(text))
     if not match:
         raise ValueError(f"{option}: cannot read {text!r} as a memory size (examples: 80GB, 80GiB, 141GB)")
-    number, unit = float(match.group(1)), (match.group(2) or "").lower()
+    if not match.group(2):
+        raise ValueError(
+            f"{option}: {text!r} has no unit; write it with one, e.g. {text.strip()}GB or {text.strip()}GiB"
+        )
+    number, unit = float(match.group(1)), match.group(2).lower()
     binary = "i" in unit
     prefix = unit.rstrip("b").rstrip("i")
     scale = 1024 ** "kmgt".index(prefix) * 1024 if binary and prefix else _UNITS[prefix]

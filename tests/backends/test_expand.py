@@ -17,8 +17,6 @@ from shared_prefix_logps import chunked_backward, compute_logps, compute_logps_t
 from shared_prefix_logps.backends import expand, sdpa_kernels
 from shared_prefix_logps.bench.memory import LiveTensorBytes
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 HEAD_DIM = 8  # the tiny models' head size; the SDPA priority probe's own call has 64
 
 

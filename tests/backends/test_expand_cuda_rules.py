@@ -29,8 +29,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from shared_prefix_logps import compute_logps, compute_logps_tree
 from shared_prefix_logps.backends import expand, expand_memory, sdpa_kernels
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 HEAD_DIM = 8  # the tiny models' head size; the priority probe's own call has 64
 
 
@@ -390,3 +388,115 @@ def test_explicit_scores_over_budget_are_refused_on_fused_path(family, monkeypat
         compute_logps(model, prompts, comps, **kwargs)
     monkeypatch.setattr(expand_memory, "EXPLICIT_SCORES_BUDGET", 2**30)
     assert torch.isfinite(compute_logps(model, prompts, comps, **kwargs).logps).all()
+
+
+def test_math_before_cudnn_in_torchs_order_takes_the_calls_the_kernels_ahead_of_it_reject(fake_cuda, monkeypatch):
+    # torch's default order puts math before cuDNN on purpose (older cuDNN mishandled some sequence lengths). A masked
+    # call that flash (no mask) and the memory-efficient kernel (here: rejects everything) refuse runs on math there,
+    # as torch would run it; walking past math would hand it to cuDNN.
+    fake = fake_cuda(rules={"CUDNN_ATTENTION": _anything, "FLASH_ATTENTION": _flash, "EFFICIENT_ATTENTION": _nothing})
+    assert [_NAMES[int(c)] for c in torch._C._get_sdp_priority_order()][:4] == list(fake.initial_order[:4])
+    spy = SdpaCalls(fake)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    model = build_model("llama")
+    prompts, pmask, comps, cmask = unpadded_batch(2, 3, 16, 8)
+    errors = compare_with_dense(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask)
+    assert errors[0] <= 1e-5 and errors[2] <= 1e-4, errors
+    ours = [(fake.kernels[i], call) for i, call in enumerate(spy.calls) if call["enabled"] != enabled_kernels()]
+    prompts_call = [(kernel, call) for kernel, call in ours if call["key_len"] == 16]  # the prompts' node call
+    rows_call = [(kernel, call) for kernel, call in ours if call["key_len"] == 24]  # completions over their prompt
+    assert prompts_call and rows_call
+    assert all(kernel == "FLASH_ATTENTION" for kernel, _ in prompts_call)  # causal, no mask: flash comes first
+    assert all(kernel == "MATH" and call["enabled"] == ("MATH",) for kernel, call in rows_call)
+    assert "CUDNN_ATTENTION" not in fake.kernels
+
+
+def test_excluded_runs_the_dense_yardstick_off_cudnn(fake_cuda, monkeypatch):
+    # On sm90 (torch 2.13, recent cuDNN) torch's order puts cuDNN first: the dense path's own SDPA calls run there, as
+    # the expand backend's do, so a cuDNN defect would inflate the yardstick with the error it should expose.
+    fake = fake_cuda(**TORCH_2_13_SM90)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", fake)
+    model = build_model("llama")
+    prompts, pmask, comps, cmask = make_batch(2, 3, 16, 8)
+    kwargs = dict(prompt_mask=pmask, completion_mask=cmask)
+    flags = enabled_kernels()
+    plain = compute_logps(model, prompts, comps, backend="dense", **kwargs)
+    plain.logps.sum().backward()
+    order = list(torch._C._get_sdp_priority_order())
+    assert fake.kernels and set(fake.kernels) == {"CUDNN_ATTENTION"}
+    fake.kernels.clear()
+    with sdpa_kernels.excluded("CUDNN_ATTENTION"):
+        assert "CUDNN_ATTENTION" not in enabled_kernels()
+        yardstick = compute_logps(model, prompts, comps, backend="dense", **kwargs)
+        yardstick.logps.sum().backward()
+    assert fake.kernels and "CUDNN_ATTENTION" not in fake.kernels
+    assert set(fake.kernels) <= {"FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"}
+    assert torch.equal(yardstick.logps, plain.logps)  # the kernel changed, not the numbers (the same CPU kernels)
+    # Flags restored and torch's order untouched; the path being judged still runs on cuDNN outside the context.
+    assert enabled_kernels() == flags and list(torch._C._get_sdp_priority_order()) == order
+    fake.kernels.clear()
+    compute_logps(model, prompts, comps, backend="expand", **kwargs)
+    assert "CUDNN_ATTENTION" in fake.kernels
+
+
+def test_excluded_refuses_unknown_names_and_an_empty_set():
+    with pytest.raises(ValueError, match="SDPBackend names"):
+        with sdpa_kernels.excluded("CUDNN"):
+            pass
+    with pytest.raises(ValueError, match="no SDPA kernel"):
+        with sdpa_kernels.excluded(*sdpa_kernels.ALLOWED_KERNELS):
+            pass
+
+
+# ---- the no-grad budget and grouped heads ---------------------------------------------------------------------------
+
+
+def _qwen_attention_model():
+    """One layer with Qwen2.5-1.5B's attention (hidden 1536, 12 query heads over 2 KV heads of 128), bfloat16."""
+    import transformers
+
+    config = transformers.Qwen2Config(
+        hidden_size=1536,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        vocab_size=128,
+        max_position_embeddings=8192,
+    )
+    return transformers.Qwen2ForCausalLM(config).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "rules, repeats, rows_per_chunk",
+    [
+        # cuDNN (first on sm90) takes the masked completions' call with grouped heads natively: only the gathered K/V
+        # count, 2048 tokens a completion (its 4608 keys at a third of a hidden state each, and its 512 tokens; the
+        # completions under one prompt share one mask row); the first chunk holds the prompt's node too.
+        (TORCH_2_13_SM90, False, [12, 4]),
+        # torch 2.11 on sm80: flash takes no mask, the memory-efficient kernel no grouped heads, so the heads are
+        # repeated (12 x 4608 x 256 x 2 bytes a completion): 11264 tokens a completion, 8 chunks of 2.
+        (TORCH_2_11_SM80, True, [2] * 8),
+    ],
+)
+def test_scoring_chunks_count_repeated_heads_only_where_the_kernel_repeats_them(
+    fake_cuda, monkeypatch, rules, repeats, rows_per_chunk
+):
+    from shared_prefix_logps.backends.expand_memory import AttentionShape, node_bytes
+    from shared_prefix_logps.engine.budget import DEFAULT_TOKEN_BUDGET, NodeCosts, budgeted_chunks
+    from shared_prefix_logps.engine.trie import grouped_trie
+
+    fake = fake_cuda(**rules)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", fake)
+    model = _qwen_attention_model()
+    costs = NodeCosts.of(model, torch.device("cpu"), "expand")
+    shape = AttentionShape.of_model(model)
+    extra = node_bytes(shape, 4096, 512, masked=False, repeats_kv=repeats)  # the mask row counted once per call
+    assert costs.node_tokens(4096, 512, own_mask=False) == 512 + -(-extra // (shape.hidden_size * shape.itemsize))
+    ones = torch.ones  # P = 4096, C = 512, G = 16
+    trie = grouped_trie(
+        ones(1, 4096, dtype=torch.long), ones(1, 4096, dtype=torch.bool), ones(16, 512, dtype=torch.long),
+        ones(16, 512, dtype=torch.bool), torch.zeros(16, dtype=torch.long),
+    )  # fmt: skip
+    chunks = budgeted_chunks(trie, torch.arange(16), DEFAULT_TOKEN_BUDGET, costs)
+    assert [chunk.numel() for chunk in chunks] == rows_per_chunk

@@ -25,10 +25,7 @@ from shared_prefix_logps.bench.memory import LiveTensorBytes
 from shared_prefix_logps.engine.node_calls import CallPlanner, ScoredPairs
 from shared_prefix_logps.engine.trie import grouped_trie, levels
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
-    pytest.mark.usefixtures("one_torch_thread"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 CPU = torch.device("cpu")
 
@@ -173,9 +170,10 @@ def test_segments_that_are_not_runs_are_refused():
         structured_block_mask(segments, segments, empty, q_len=100, kv_len=128, window=None, mask_mod=None)
 
 
-def _kernel_flex_entry(query, key, value, block_mask, score_mod, scale, enable_gqa, aux):
+def _kernel_flex_entry(query, key, value, block_mask, score_mod, scale, enable_gqa, kernel_options, aux):
     """Stands in for flex_attention: attention as the CUDA kernel reads ``block_mask``."""
     assert not aux, "these models request no log-sum-exp"
+    assert kernel_options is None  # CPU: no Triton kernel options
     return kernel_attention(query, key, value, block_mask, scale, score_mod)
 
 
@@ -258,3 +256,42 @@ def test_a_million_query_mask_builds_in_seconds_and_memory_proportional_to_its_b
     index_bytes = sum(t.numel() * t.element_size() for t in (mask.kv_indices, mask.full_kv_indices))
     assert tracker.peak <= index_bytes + 1024 * (partial + full), (tracker.peak, index_bytes, partial + full)
     assert seconds <= 60, seconds  # measured 1.5-6 s with the memory tracker on one shared core
+
+
+# ---- host synchronizations of a mask build (what a CUDA run waits for) ----------------------------------------------
+
+#: Operations that must not appear in a mask build: boolean-mask selection and assignment (a nonzero each on CUDA),
+#: bincount (CUDA's reads the maximum first) and repeat_interleave left to count its output itself.
+UNCOUNTED_SIZES = ("aten.bincount", "aten.index.", "aten.index_put", "aten.repeat_interleave")
+
+
+def _syncs_of(build, *args, **kwargs):
+    from support.host_syncs import HostSyncs
+
+    with torch.no_grad(), HostSyncs() as syncs:
+        build(*args, **kwargs)
+    assert not [name for name in syncs.counts if name.startswith(UNCOUNTED_SIZES)], dict(syncs.counts)
+    return syncs
+
+
+def test_a_mask_build_waits_for_the_device_a_handful_of_times():
+    """Each structure-built BlockMask reads back from the device only what sizes its tensors: two run lists (a count
+    and a check each), the node pairs (one nonzero), two expansions' totals (handed to ``repeat_interleave`` as
+    ``output_size``), the distinct blocks. A grouped batch's prompts' and completions' calls, and every call of a
+    deeper trie (the one-level masks of before waited 43 and 35 times)."""
+    trie = grouped_trie(
+        torch.ones(2, 300, dtype=torch.long),
+        torch.ones(2, 300, dtype=torch.bool),
+        torch.ones(8, 100, dtype=torch.long),
+        torch.ones(8, 100, dtype=torch.bool),
+        torch.arange(2).repeat_interleave(4),
+    )
+    planner = CallPlanner(trie, ScoredPairs(*(torch.zeros(0, dtype=torch.long),) * 3), "flex")
+    grouped = [planner.plan(nodes) for nodes in levels(trie)]
+    _, deeper = planned_node_calls(random_tree_rows(5, depth=4, branching=3, max_segment=70), rows_per_chunk=3)
+    for call in grouped + deeper:
+        n, keys = call.num_tokens, call.store_node.numel() + call.num_tokens
+        q_len, kv_len = flex.padded_length(n, CPU), flex.padded_length(keys, CPU)
+        for window, q_blocks in ((None, False), (70, True)):
+            syncs = _syncs_of(flex.node_block_mask, call, window, q_len, kv_len, q_blocks=q_blocks)
+            assert syncs.total <= 8, dict(syncs.counts)

@@ -1,5 +1,5 @@
-"""The flex backend compiled: a bounded number of compilations over shapes, phases, sliding windows (None and int),
-grad modes and the three ways of calling it, exact against dense, and a loud error at torch's recompile limit.
+"""The flex layout compiled: a bounded number of compilations over shapes, trie depths, sliding windows (None and
+int), grad modes and every entry point, exact against dense, and a loud error at torch's recompile limit.
 
 On CPU the library runs flex uncompiled; these tests select a compile backend for CPU (``aot_eager`` wrapped in a
 counter of the graphs it receives) and lift torch's up-front refusal of flex's backward on CPU (its dense reference
@@ -11,18 +11,17 @@ from __future__ import annotations
 import pytest
 import torch
 from support.exactness import max_relative_grad_error, parameter_grads, weighted_loss
+from support.graph_counter import CUDA_FLEX_MIN_HEAD_DIM
 from support.tiny_models import build_model, make_batch
+from support.trees import pad_rows, random_tree_rows
 
-from shared_prefix_logps import LogpsOutput, chunked_backward, compute_logps
+from shared_prefix_logps import LogpsOutput, chunked_backward, compute_logps, compute_logps_tree
 from shared_prefix_logps.backends import flex
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
-    pytest.mark.usefixtures("one_torch_thread"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 #: (prompts, generations, prompt length, completion length): packed lengths from one to several blocks of 128 in
-#: both phases, G from 1 to 8, prompts and completions each the longer side.
+#: both node calls, G from 1 to 8, prompts and completions each the longer side.
 SHAPES = [
     (2, 2, 9, 5),
     (3, 4, 13, 8),
@@ -34,7 +33,7 @@ SHAPES = [
     (2, 8, 31, 17),
 ]
 
-#: Compilations allowed per model family: one graph per grad mode (scoring, training); none per shape, phase or window.
+#: Compilations allowed per model family: one graph per grad mode (scoring, training); none per shape, depth or window.
 FLEX_GRAPHS_PER_FAMILY = 2
 #: Compilations of the block-mask builder: none, the masks are built from the batch's structure by plain tensor
 #: operations (backends/flex_blocks.py); only the mask function, inside flex_attention's graph, is traced.
@@ -74,21 +73,52 @@ def _in_full_batch(chunk, rows, num_rows):
     return LogpsOutput(scatter(chunk.logps), entropy, scatter(chunk.mask))
 
 
-def test_compilations_are_bounded_and_results_exact(compiled_on_cpu):
+def _tree_runs(model, seed):
+    """A random trie of depth 3 (call and store lengths vary with the seed) scored and trained with ``flex``: (where,
+    logps, grads or None, dense logps, dense grads) per mode."""
+    ids, mask, score = pad_rows(random_tree_rows(seed, depth=3, branching=3, max_segment=30), seed)
+    dense = compute_logps_tree(model, ids, mask, score, return_entropy=True, backend="dense")
+    expected = parameter_grads(model, weighted_loss(dense))
+    with torch.no_grad():
+        scored = compute_logps_tree(model, ids, mask, score, return_entropy=True, token_budget=1, backend="flex")
+    trained = compute_logps_tree(model, ids, mask, score, return_entropy=True, backend="flex")
+    yield "score", scored.logps, None, dense.logps.detach(), expected
+    yield (
+        "train",
+        trained.logps.detach(),
+        parameter_grads(model, weighted_loss(trained)),
+        dense.logps.detach(),
+        expected,
+    )
+
+
+def _grouped_runs(model, index, shape):
+    num_prompts, generations, prompt_len, completion_len = shape
+    prompts, pmask, comps, cmask = make_batch(num_prompts, generations, prompt_len, completion_len, seed=index)
+    kwargs = dict(prompt_mask=pmask, completion_mask=cmask, return_entropy=True, temperature=0.7)
+    dense = compute_logps(model, prompts, comps, backend="dense", **kwargs)
+    expected = parameter_grads(model, weighted_loss(dense))
+    for mode in ("score", "train", "chunked"):
+        logps, grads = _run(model, mode, prompts, comps, kwargs, generations)
+        yield mode, logps, grads, dense.logps.detach(), expected
+
+
+def test_compilations_are_bounded_and_results_exact(compiled_on_cpu, monkeypatch):
+    """Grouped batches of every shape, every entry point, and tries of any shape share one graph per grad mode, under
+    inductor's CUDA rule that refuses head dimensions below 16 (which the tiny models' 8 meet only zero-padded)."""
     counter = compiled_on_cpu
+    counter.cuda_rules = True
+    monkeypatch.setitem(flex.MIN_HEAD_DIM, "cpu", CUDA_FLEX_MIN_HEAD_DIM)
     graphs = {}
     for family in ("qwen2", "gemma2"):  # Gemma2: sliding (int) and global (None) windows, softcaps
         model = build_model(family)
         before = counter.counts["flex"]
-        for index, (num_prompts, generations, prompt_len, completion_len) in enumerate(SHAPES):
-            prompts, pmask, comps, cmask = make_batch(num_prompts, generations, prompt_len, completion_len, seed=index)
-            kwargs = dict(prompt_mask=pmask, completion_mask=cmask, return_entropy=True, temperature=0.7)
-            dense = compute_logps(model, prompts, comps, backend="dense", **kwargs)
-            expected = parameter_grads(model, weighted_loss(dense))
-            for mode in ("score", "train", "chunked"):
-                logps, grads = _run(model, mode, prompts, comps, kwargs, generations)
-                where = (family, index, mode)
-                assert (logps - dense.logps.detach()).abs().max() <= 1e-5, where
+        runs = [(("grouped", index), _grouped_runs(model, index, shape)) for index, shape in enumerate(SHAPES)]
+        runs += [(("tree", seed), _tree_runs(model, seed)) for seed in range(3)]
+        for case, results in runs:
+            for mode, logps, grads, dense, expected in results:
+                where = (family, *case, mode)
+                assert (logps - dense).abs().max() <= 1e-5, where
                 if grads is not None:
                     assert max_relative_grad_error(grads, expected) <= 1e-4, where
         graphs[family] = counter.counts["flex"] - before

@@ -1,5 +1,7 @@
 """The benchmark's FLOP model against torch's FlopCounterMode on tiny models, and the floors' arithmetic."""
 
+import types
+
 import pytest
 import torch
 from support.tiny_models import build_model
@@ -16,8 +18,6 @@ from shared_prefix_logps.bench.flops import (
     visible_pairs,
 )
 from shared_prefix_logps.bench.presets import build_preset
-
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _counted(model, ids, keep, train):
@@ -122,8 +122,20 @@ def test_bad_input_is_refused():
     shape = ModelShape.from_config(build_preset("tiny", layers=2).config)
     with pytest.raises(ValueError, match="attention_pairs"):
         forward_flops(shape, tokens=1, attention_pairs=[1], scored_tokens=1)
-    moe = build_model("qwen3_moe", layers=1).config
-    with pytest.raises(ValueError, match="config: mixture-of-experts"):
-        ModelShape.from_config(moe)
+    olmoe = dict(model_type="olmoe", num_experts=8, num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=2)
+    olmoe.update(hidden_size=8, intermediate_size=16, vocab_size=10)
+    with pytest.raises(ValueError, match="model type 'olmoe' has routed experts"):
+        ModelShape.from_config(types.SimpleNamespace(**olmoe))
     with pytest.raises(TypeError, match="config: needs integer"):
         ModelShape.from_config(object())
+
+
+def test_moe_body_counts_the_routed_experts():
+    """A token goes through the router and its top-k experts in a MoE layer: Qwen3-MoE's tiny test model, 4 experts
+    of width 16, 2 per token; 2 layers, both routed."""
+    config = build_model("qwen3_moe").config
+    shape = ModelShape.from_config(config)
+    assert shape.routed == ((2 * 16, 4), (2 * 16, 4))
+    dense = ModelShape.from_config(build_model("qwen3", hidden=32).config)
+    projections = dense.body_per_token - 2 * 2 * 32 * 3 * dense.intermediate
+    assert shape.body_per_token == projections + 2 * 2 * 32 * (3 * 32 + 4)

@@ -8,10 +8,7 @@ from shared_prefix_logps.bench.flops import ModelShape, Workload, flop_floor
 from shared_prefix_logps.bench.presets import build_preset
 from shared_prefix_logps.bench.runner import Shape, make_batch, run_cell, work_counts
 
-pytestmark = [
-    pytest.mark.usefixtures("one_torch_thread"),
-    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,6 @@ from shared_prefix_logps.bench.tree_methods import TREE_METHODS, TreeCase
 from shared_prefix_logps.bench.tree_report import readme_table
 from shared_prefix_logps.bench.tree_workloads import agentic, forks, forwarded_tokens, turns
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 SMALL = [
     # A system prompt long enough that compute_logps would take the tree pass, were deeper sharing not off.
     agentic(prompts=2, system=80, task=3, generations=3, completion=8, tool_spans=1, tool_length=2, vocab=VOCAB),
@@ -136,9 +134,22 @@ def test_cli_runs_the_tree_bench_end_to_end(tmp_path):
         (["--tree-option", "prompts"], "KEY=VALUE"),
         (["--tree-option", "nope=1"], "unknown to agentic"),
         (["--methods", "dense,expand"], "unknown method(s) ['expand']"),
+        (["--tree-option", "prompts=0"], "agentic: no rows"),
+        (["--tree-option", "generations=0"], "agentic: no rows"),
+        (["--tree-option", "completion=0"], "scores no token"),
+        (["--tree-option", "system=-4"], "['system'] must not be negative"),
+        (["--tree-option", "vocab=9000"], "vocab=9000 must be in [1, 8192]"),
     ],
 )
 def test_cli_refuses_bad_tree_arguments(args, message, capsys):
     with pytest.raises(SystemExit) as error:
         main(["bench", "--preset", "tiny", "--layers", "1", "--tree-workload", "agentic", *args])
     assert message in str(error.value)
+
+
+def test_a_smaller_vocabulary_option_is_taken():
+    """``vocab`` is a builder keyword like the others (token ids below it); the model's own is the default."""
+    from shared_prefix_logps.bench.tree_runner import build_workload
+
+    workload, kwargs = build_workload("forks", {"vocab": 500, "prompts": 1, "completions": 2, "completion": 4}, 8192)
+    assert kwargs["vocab"] == 500 and int(workload.input_ids.max()) < 500

@@ -20,8 +20,6 @@ from shared_prefix_logps import (
     compute_logps_concatenated,
 )
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 GENERATIONS = 3
 
 

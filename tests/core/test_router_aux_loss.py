@@ -1,4 +1,4 @@
-"""The MoE router load-balancing loss from the shared path against the model's own ``aux_loss`` of the full rows.
+"""The MoE router load-balancing loss from every entry point against the model's own ``aux_loss`` of the full rows.
 
 The model computes it from the router logits of every real token of every row ``[prompt | completion]``: a prompt
 token counts once per row that contains it, and each row's last completion token counts although no log-prob needs
@@ -10,14 +10,18 @@ import pytest
 import torch
 from support.exactness import max_relative_grad_error, parameter_grads, weighted_loss
 from support.tiny_models import NOT_ROUTED, build_model, make_batch
+from support.trees import pad_rows, random_tree_rows
 
-from shared_prefix_logps import UnsupportedModelError, chunked_backward, compute_logps, compute_logps_concatenated
+from shared_prefix_logps import (
+    UnsupportedModelError,
+    chunked_backward,
+    compute_logps,
+    compute_logps_concatenated,
+    compute_logps_tree,
+)
 from shared_prefix_logps.engine import walk
 
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
-    pytest.mark.usefixtures("one_torch_thread"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 AUX_FAMILIES = [f for f in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss") if f not in NOT_ROUTED]
 
@@ -193,3 +197,52 @@ def test_non_reentrant_checkpointing(family):
     dense_logps = compute_logps(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, backend="dense")
     dense = _dense_aux(model, *_rows(prompts, pmask, comps, cmask))
     assert max_relative_grad_error(ours, parameter_grads(model, weighted_loss(dense_logps) + dense)) <= 1e-4
+
+
+# Rows of prefix trees (compute_logps_tree): every real token routed once per row that holds it.
+
+
+def _dense_tree_aux(model, ids, mask):
+    """The model's own aux loss of the full rows (every real token routed once per row that holds it)."""
+    positions = (mask.long().cumsum(1) - 1).clamp(min=0)
+    out = model(input_ids=ids, attention_mask=mask.long(), position_ids=positions, output_router_logits=True)
+    return out.aux_loss
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_tree_aux_loss_and_its_gradient_match_the_model(family):
+    model = build_model(family)
+    ids, mask, score = pad_rows(random_tree_rows(6, depth=3, branching=3), 6)
+    out = compute_logps_tree(model, ids, mask, score, return_router_stats=True)
+    dense = _dense_tree_aux(model, ids, mask)
+    aux = out.router.aux_loss()
+    assert float((aux - dense).detach().abs()) <= 1e-6, (float(aux), float(dense))
+    assert out.router.tokens.tolist() == (mask.sum(1) * 2).float().tolist()  # 2 MoE layers per real token
+    assert max_relative_grad_error(parameter_grads(model, aux), parameter_grads(model, dense)) <= 1e-4
+    out = compute_logps_tree(model, ids, mask, score, return_router_stats=True)
+    dense_logps = compute_logps_tree(model, ids, mask, score, backend="dense")
+    ours = parameter_grads(model, weighted_loss(out) + 0.5 * out.router.aux_loss())
+    reference = parameter_grads(model, weighted_loss(dense_logps) + 0.5 * _dense_tree_aux(model, ids, mask))
+    assert max_relative_grad_error(ours, reference) <= 1e-4
+
+
+@pytest.mark.parametrize("budget", [1, None])
+def test_tree_no_grad_walk_gives_the_same_statistics(budget):
+    model = build_model("qwen3_moe")
+    ids, mask, score = pad_rows(random_tree_rows(6, depth=3, branching=3), 6)
+    with torch.no_grad():
+        out = compute_logps_tree(model, ids, mask, score, return_router_stats=True, token_budget=budget)
+        dense = _dense_tree_aux(model, ids, mask)
+        rows = torch.tensor([0, 2, 3])
+        subset = _dense_tree_aux(model, ids[rows], mask[rows])
+    assert float((out.router.aux_loss() - dense).abs()) <= 1e-6
+    assert float((out.router.aux_loss(rows) - subset).abs()) <= 1e-6
+
+
+def test_tree_router_stats_are_refused_where_the_model_has_no_aux_loss():
+    model = build_model("llama")
+    ids, mask, score = pad_rows(random_tree_rows(1, depth=2, branching=2), 1)
+    with pytest.raises(UnsupportedModelError, match="computes no router aux loss"):
+        compute_logps_tree(model, ids, mask, score, return_router_stats=True)
+    with pytest.raises(ValueError, match="needs the shared path"):
+        compute_logps_tree(model, ids, mask, score, return_router_stats=True, backend="dense")

@@ -90,3 +90,35 @@ def test_version_from_a_fresh_process():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("shared-prefix-logps ")
+
+
+#: CPU seconds a `--help` may take in a fresh process (the interpreter's start included; about 0.1 s without torch,
+#: where importing torch and transformers alone took 5).
+HELP_CPU_SECONDS = 1.0
+
+_HELP_PROBE = """
+import runpy, sys
+sys.argv = ["shared-prefix-logps", *sys.argv[1:]]
+try:
+    runpy.run_module("shared_prefix_logps.bench.cli", run_name="__main__")
+except SystemExit:
+    pass
+print("loaded:", ",".join(sorted(m for m in ("torch", "transformers") if m in sys.modules)), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["bench", "--help"], ["plan", "--help"], ["demo", "--help"]])
+def test_help_answers_without_loading_torch(argv):
+    """Every subcommand's `--help` in a fresh process: torch and transformers stay unloaded (the commands that run
+    import them), and the process takes well under a second of CPU time (CPU, not wall time: the machine may be
+    loaded)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    out = subprocess.run([sys.executable, "-c", _HELP_PROBE, *argv], capture_output=True, text=True, timeout=120)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    assert out.returncode == 0, out.stderr
+    assert "usage: shared-prefix-logps" in out.stdout
+    assert out.stderr.strip().splitlines()[-1] == "loaded:", out.stderr
+    assert cpu < HELP_CPU_SECONDS, f"{argv}: {cpu:.2f} CPU seconds"

@@ -52,4 +52,4 @@ def test_tests_collect_without_the_optional_packages(tmp_path):
     gpu_tests = [line for line in collected if line.startswith("tests/gpu/test_gpu.py::")]
     assert len(gpu_tests) >= 20, summary  # the GPU exactness and memory tests are all there
     # The hypothesis module skipped (pytest's collect-only summary does not count module skips).
-    assert not any(line.startswith("tests/core/test_property_dense.py::") for line in collected)
+    assert not any(line.startswith("tests/core/test_property.py::") for line in collected)

@@ -4,7 +4,8 @@ log-softmax-gather kernel past 2^31 logits, and peak memory at P=16k, G=64, C=1k
 Models come from tests/support/gpu_models.py (head_dim >= 16, as inductor's CUDA flex needs).
 
 bfloat16 results are judged against a float32 reference of the same weights, with the dense bfloat16 path's own
-error as the yardstick (bf16 results depend on batching, so no path is bitwise anyone's reference).
+error as the yardstick (bf16 results depend on batching, so no path is bitwise anyone's reference); the yardstick runs
+with cuDNN's SDPA kernel excluded, so that it never shares a kernel defect with the path it judges.
 """
 
 from __future__ import annotations
@@ -121,7 +122,10 @@ def test_bf16_error_within_dense_bf16_error(family, backend, mode):
     batch = cuda_batch()
     mask = batch[3]
     exact_logps, _, exact_grads = dense_reference(reference, batch)
-    dense_logps, _, dense_grads = run_mode(model, mode if mode == "score" else "train", "dense", batch)
+    # The yardstick runs off cuDNN: on sm90 torch's order puts cuDNN first for the dense path and for expand's masked
+    # calls alike, and a cuDNN defect shared by both would pass unseen (sdpa_kernels.excluded).
+    with sdpa_kernels.excluded("CUDNN_ATTENTION"):
+        dense_logps, _, dense_grads = run_mode(model, mode if mode == "score" else "train", "dense", batch)
     logps, _, grads = run_mode(model, mode, backend, batch)
     dense_err = (dense_logps - exact_logps)[mask].abs()
     ours_err = (logps - exact_logps)[mask].abs()

@@ -105,3 +105,40 @@ def test_a_million_query_mask_builds_in_seconds_on_cuda(monkeypatch):
     assert int(built["mask"].full_kv_num_blocks.sum()) == rows * (
         per_row * prefix // 128 + per_row * (per_row - 1) // 2
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_head_dim_192_compiles_and_matches_dense_on_cuda(dtype):
+    """A query/key head dim of 192 (MLA: DeepSeek-V3) through inductor's flex kernel, forward and backward, with the
+    kernel options of backends/flex_kernel_options.py (torch's 256 configuration where its table lacks 192,
+    IS_DIVISIBLE). bfloat16 within the dense bf16 path's own distance from a float32 truth."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=192,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        vocab_size=101,
+    )
+    torch.manual_seed(0)
+    truth_model = transformers.LlamaForCausalLM(config).to(CUDA)
+    model = transformers.LlamaForCausalLM(config).to(CUDA, dtype)
+    truth_model.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    prompts, pmask, comps, cmask = (t.to(CUDA) for t in make_batch(2, 3, prompt_len=150, completion_len=100, seed=3))
+    kwargs = dict(prompt_mask=pmask, completion_mask=cmask)
+    truth = compute_logps(truth_model, prompts, comps, backend="dense", **kwargs).logps.detach()
+    ours = compute_logps(model, prompts, comps, backend="flex", **kwargs)
+    ours.logps.sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+    err = (ours.logps.detach() - truth)[cmask].abs().max()
+    if dtype == torch.float32:
+        assert err <= FP32_LOGPS_TOL, err
+    else:
+        from shared_prefix_logps.backends import sdpa_kernels
+
+        with sdpa_kernels.excluded("CUDNN_ATTENTION"), torch.no_grad():
+            dense = compute_logps(model, prompts, comps, backend="dense", **kwargs).logps
+        assert err <= 2 * (dense - truth)[cmask].abs().max() + 1e-3, err

@@ -8,8 +8,6 @@ from support.exactness import compare_with_dense
 from support.gpu_models import GPU_FAMILIES, MIN_FLEX_HEAD_DIM, gpu_test_model, head_dim
 from support.tiny_models import make_batch
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 @pytest.mark.parametrize("family", GPU_FAMILIES)
 def test_gpu_models_have_heads_inductor_flex_takes(family):

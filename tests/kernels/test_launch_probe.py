@@ -89,8 +89,38 @@ def test_auto_falls_back_to_torch_with_one_warning_without_a_compiler(fresh_prob
         resolve_implementation("triton", FAKE_CUDA)
 
 
+#: What Triton's launcher build raises where gcc exists but Python's development headers do not.
+NO_PYTHON_HEADERS = RuntimeError("/tmp/tmpx/main.c:5:10: fatal error: Python.h: No such file or directory")
+
+
+def _raise_no_python_headers(device):
+    raise NO_PYTHON_HEADERS
+
+
 @needs_triton
-def test_a_compiler_means_triton_without_a_trial_launch(fresh_probe):
+def test_a_compiler_does_not_spare_the_trial_launch(fresh_probe):
+    """gcc on the PATH but no Python headers: the launcher build still fails, so finding a compiler proves nothing
+    and only a trial launch decides."""
+    trials = []
+
+    def failing(device):
+        trials.append(device)
+        _raise_no_python_headers(device)
+
+    fresh_probe.setattr(launch_probe, "find_c_compiler", lambda: "/usr/bin/gcc")
+    fresh_probe.setattr(launch_probe, "trial_launch", failing)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert resolve_implementation("auto", FAKE_CUDA) == "torch"
+    assert trials == [torch.device("cuda", 0)]
+    (fallback,) = [str(w.message) for w in caught if "torch implementation" in str(w.message)]
+    assert "C compiler /usr/bin/gcc" in fallback and "Python.h" in fallback
+    with pytest.raises(RuntimeError, match="Python.h"):
+        resolve_implementation("triton", FAKE_CUDA)
+
+
+@needs_triton
+def test_a_compiler_and_a_working_trial_launch_mean_triton(fresh_probe):
     trials = []
     fresh_probe.setattr(launch_probe, "find_c_compiler", lambda: "/usr/bin/gcc")
     fresh_probe.setattr(launch_probe, "trial_launch", trials.append)
@@ -98,7 +128,28 @@ def test_a_compiler_means_triton_without_a_trial_launch(fresh_probe):
         warnings.simplefilter("error")
         assert resolve_implementation("auto", FAKE_CUDA) == "triton"
         assert resolve_implementation("triton", FAKE_CUDA) == "triton"
-    assert trials == []
+    assert trials == [torch.device("cuda", 0)]  # once per process
+    assert "C compiler /usr/bin/gcc" in launch_probe.cuda_launch_status(torch.device("cuda", 0)).reason
+
+
+@needs_triton
+@pytest.mark.parametrize("compiler", ["/usr/bin/gcc", None])
+def test_auto_attention_is_expand_where_triton_kernels_cannot_launch(fresh_probe, compiler):
+    """inductor's flex_attention kernels are Triton kernels launched like the fused head's: where the trial launch
+    fails, ``auto`` must not pick flex (every layer would fail at its first launch), and ``flex`` is refused by name."""
+    from shared_prefix_logps.api import resolve_attention_backend
+
+    cuda = torch.device("cuda")
+    fresh_probe.setattr(launch_probe, "find_c_compiler", lambda: compiler)
+    fresh_probe.setattr(launch_probe, "trial_launch", _raise_no_python_headers)
+    assert resolve_attention_backend("auto", cuda) == "expand"
+    with pytest.raises(ValueError, match=r"backend='flex'.*cannot launch.*Python.h"):
+        resolve_attention_backend("flex", cuda)
+    assert resolve_attention_backend("expand", cuda) == "expand"
+    fresh_probe.setattr(launch_probe, "_status", None)
+    fresh_probe.setattr(launch_probe, "trial_launch", lambda device: None)
+    assert resolve_attention_backend("auto", cuda) == "flex"
+    assert resolve_attention_backend("flex", cuda) == "flex"
 
 
 @needs_triton

@@ -464,3 +464,36 @@ def test_backend_is_the_deprecated_name_of_implementation():
     torch.testing.assert_close(old, logsoftmax_gather(hidden @ weight.T, targets, implementation="torch"))
     with pytest.raises(TypeError, match="implementation"):
         linear_logps(hidden, weight, targets, implementation="torch", backend="torch")
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_chunk_buffers_fill_the_chunk_budget_and_stay_within_it(dtype, softcap, monkeypatch):
+    """The chunk size picked without ``chunk_size`` bounds what backward really holds per chunk, with statistics
+    that work in the logits' buffer as the Triton kernel does (a stand-in here: the interpreter copies its arguments,
+    which a GPU launch does not): with a softcap the float32 capped logits and tanh (8 bytes a logit) no longer take
+    twice the budget (10 bytes a logit in bfloat16, the matmul's output alive beside both); without one a bfloat16
+    chunk no longer uses half of it (2 bytes a logit, sized as if 4)."""
+    from shared_prefix_logps.bench.memory import LiveTensorBytes
+    from shared_prefix_logps.kernels import fused_head
+
+    def in_place_statistics_backward(logits, *args):
+        return logits.mul_(0.5)  # the kernel's contract with inplace=True: d logits written over the logits
+
+    budget, n, vocab, width = 2**20, 512, 4096, 8
+    monkeypatch.setattr(fused_head, "DEFAULT_CHUNK_BYTES", budget)
+    monkeypatch.setattr(fused_head, "stats_backward", in_place_statistics_backward)
+    gen = torch.Generator().manual_seed(11)
+    hidden = torch.randn(n, width, generator=gen).to(dtype).requires_grad_()
+    weight = torch.randn(vocab, width, generator=gen).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    logps = linear_logps(hidden, weight, targets, softcap=softcap, implementation="torch")
+    tracker = LiveTensorBytes()
+    with tracker:
+        logps.sum().backward()
+    # Beside the chunks: the float32 weight gradient and the hidden states' gradient; in half precision also the
+    # weight gradient's copy at the end and, on CPU, each chunk's (V, H) product before it joins the float32 sum.
+    half = dtype.itemsize < 4
+    fixed = vocab * width * 4 + n * width * dtype.itemsize + (2 * vocab * width * dtype.itemsize if half else 0)
+    chunk_peak = tracker.peak - fixed
+    assert 0.75 * budget <= chunk_peak <= 1.05 * budget, (chunk_peak / budget, tracker.peak)

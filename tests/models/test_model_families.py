@@ -11,10 +11,7 @@ from shared_prefix_logps.backends.expand import masked_attention
 from shared_prefix_logps.model import SUPPORTED_MODEL_TYPES, UnsupportedModelError
 
 # Eager flex_attention on CPU warns that it is unfused; that is expected here.
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile"),
-    pytest.mark.usefixtures("one_torch_thread"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 
 @pytest.fixture(autouse=True)

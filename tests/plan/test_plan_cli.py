@@ -83,9 +83,28 @@ def test_config_without_needed_fields_is_refused(tmp_path):
     assert "--model" in message and "num_hidden_layers" in message and "vocab_size" in message
 
 
-@pytest.mark.parametrize("text, size", [("80GB", 80 * 10**9), ("80GiB", 80 * 2**30), ("512MiB", 2**29), ("1024", 1024)])
+@pytest.mark.parametrize(
+    "text, size", [("80GB", 80 * 10**9), ("80GiB", 80 * 2**30), ("512MiB", 2**29), ("1024B", 1024), ("141 gb", 141e9)]
+)
 def test_memory_sizes(text, size):
     assert parse_memory_size(text) == size
+
+
+def test_a_memory_size_needs_its_unit():
+    """``--gpu-memory 80`` meant 80 GB; read as bytes it made every method "not fit"."""
+    with pytest.raises(ValueError, match="has no unit"):
+        parse_memory_size("80")
+    with pytest.raises(SystemExit) as raised:
+        main([*BASE, "--gpu-memory", "80"])
+    assert str(raised.value).startswith("shared-prefix-logps plan: --gpu-memory: '80' has no unit"), raised.value
+
+
+@pytest.mark.parametrize("methods", ["", ",", " , "])
+def test_no_method_is_refused(methods, capsys):
+    with pytest.raises(SystemExit) as raised:
+        main([*BASE, "--methods", methods])
+    assert str(raised.value).startswith("shared-prefix-logps plan: --methods: no method given"), raised.value
+    assert "| method |" not in capsys.readouterr().out
 
 
 def test_settings_name_the_largest_chunk_that_fits(capsys):
@@ -123,3 +142,75 @@ def test_step_only_prediction_leaves_out_the_model_state():
     step = predicted_peak_bytes("expand", "qwen2.5-1.5b", w, step_only=True)
     assert step == whole.peak_bytes - whole.terms["parameters"] - whole.terms["optimizer states"]
     assert predicted_peak_bytes("expand", "qwen2.5-1.5b", w) == whole.peak_bytes
+
+
+#: bench's own batch at this shape (``bench.runner.make_batch``): prompts of P down to P/2 real tokens, completions of
+#: C/2 to C.
+RAGGED = dict(prompts=2, prompt_len=512, completion_len=256, generations=16)
+
+
+def _ragged_argv(*extra):
+    shape = RAGGED
+    return [
+        "plan",
+        "--model",
+        "tiny",
+        "--device",
+        "cpu",
+        "--dtype",
+        "fp32",
+        "--json",
+        "--prompts",
+        str(shape["prompts"]),
+        "--prompt-len",
+        str(shape["prompt_len"]),
+        "--completion-len",
+        str(shape["completion_len"]),
+        "--generations",
+        str(shape["generations"]),
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize("workload", ["score", "train"])
+def test_ragged_batch_token_counts_reach_the_plan(workload, capsys):
+    """With the bench batch's real token counts the CLI predicts what ``bench_workload`` (which the CPU check holds
+    against bench's measurements) predicts; with padded widths only it over-predicts (dense scoring by 1.9x here)."""
+    from shared_prefix_logps.plan import bench_workload
+
+    expected = bench_workload(*RAGGED.values(), mode=workload, dtype="fp32")
+    counts = ["--prompt-tokens", str(expected.prompt_tokens), "--completion-tokens", str(expected.scored_tokens)]
+    assert main([*_ragged_argv("--workload", workload), *counts]) == 0
+    ragged = {r["method"]: r["peak_bytes"] for r in json.loads(capsys.readouterr().out)["methods"]}
+    engine = Engine(device="cpu")
+    assert ragged == {p.memory.method: p.memory.peak_bytes for p in plan("tiny", expected, engine)}
+    assert main(_ragged_argv("--workload", workload)) == 0
+    padded = {r["method"]: r["peak_bytes"] for r in json.loads(capsys.readouterr().out)["methods"]}
+    assert all(padded[m] >= ragged[m] for m in padded)
+    if workload == "score":
+        assert padded["dense"] > 1.5 * ragged["dense"]
+    # Mean lengths are the same counts per prompt and per completion.
+    means = [
+        "--mean-prompt-len",
+        str(expected.prompt_tokens / RAGGED["prompts"]),
+        "--mean-completion-len",
+        str(expected.scored_tokens / (RAGGED["prompts"] * RAGGED["generations"])),
+    ]
+    assert main([*_ragged_argv("--workload", workload), *means]) == 0
+    assert {r["method"]: r["peak_bytes"] for r in json.loads(capsys.readouterr().out)["methods"]} == ragged
+
+
+@pytest.mark.parametrize(
+    "extra, option",
+    [
+        (["--prompt-tokens", "1"], "--prompt-tokens"),  # fewer than one token per prompt
+        (["--prompt-tokens", "5000"], "--prompt-tokens"),  # more than B x P
+        (["--completion-tokens", "9000"], "--completion-tokens"),
+        (["--prompt-tokens", "600", "--mean-prompt-len", "300"], "--prompt-tokens"),
+        (["--mean-completion-len", "0"], "--mean-completion-len"),
+    ],
+)
+def test_bad_token_counts_are_named(extra, option):
+    with pytest.raises(SystemExit) as raised:
+        main([*_ragged_argv(), *extra])
+    assert str(raised.value).startswith(f"shared-prefix-logps plan: {option}:"), str(raised.value)

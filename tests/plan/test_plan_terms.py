@@ -21,18 +21,20 @@ CONFIG = dict(
 )
 
 
-def test_unpadded_prompts_drop_the_prompt_mask_and_share_one_row_mask():
+def test_prompts_need_no_mask_and_unpadded_prompts_share_one_row_mask():
+    # The prompts' node call runs causal SDPA, padded or not (a node's padding follows its tokens); the completions'
+    # call shares one mask row when every prompt has P real tokens.
     dims = dims_from_config(CONFIG)
     padded = expand_terms(dims, Workload(2, 512, 64, 8), Engine(), rows=16)
     unpadded = expand_terms(dims, Workload(2, 512, 64, 8, padded_prompts=False), Engine(), rows=16)
-    assert padded["prompt mask"] == 2 * 511 * 512 * 2 and unpadded["prompt mask"] == 0
+    assert padded["prompt mask"] == unpadded["prompt mask"] == 0
     assert padded["row masks"] == 16 * unpadded["row masks"] == 16 * 64 * 576 * 2
     assert padded["gathered K/V (one layer)"] == unpadded["gathered K/V (one layer)"]
 
 
 def test_a_window_shorter_than_the_keys_needs_the_masks_of_padded_prompts():
     unpadded = Workload(1, 512, 64, 8, padded_prompts=False)
-    for window, expected in ((4096, 0), (300, 511 * 512 * 2)):
+    for window, expected in ((4096, 0), (300, 512 * 512 * 2)):
         dims = dims_from_config({**CONFIG, "sliding_window": window})
         terms = expand_terms(dims, unpadded, Engine(), rows=8)
         assert terms["prompt mask"] == expected, window
@@ -52,7 +54,7 @@ def test_torch_head_statistics_hold_float32_temporaries_on_cuda_too():
     w = Workload(1, 64, 128, 4, mode="score")
     triton = plan_memory("expand", dims, w, Engine(head_implementation="triton"))
     torch_stats = plan_memory("expand", dims, w, Engine(head_implementation="torch"))
-    rows = 4 * 128
+    rows = 4 * 128 - 4  # each row's first token is scored by the prompts' node call
     assert triton.terms["head chunk"] == rows * 4096 * 2  # bf16 logits, statistics in place
     assert torch_stats.terms["head chunk"] == rows * 4096 * (2 + 4)  # and a float32 copy
     assert Engine().head_statistics == "triton" and Engine(device="cpu").head_statistics == "torch"
@@ -83,7 +85,7 @@ def test_cli_options_reach_the_plan(capsys):
     assert padded["workload"]["padded_prompts"] and not unpadded["workload"]["padded_prompts"]
     (padded_terms,), (unpadded_terms,) = ([r["breakdown"] for r in out["methods"]] for out in (padded, unpadded))
     assert padded_terms["row masks"] == 16 * unpadded_terms["row masks"]  # B x G = 16 rows, or one row's mask
-    assert "prompt mask" in padded_terms and "prompt mask" not in unpadded_terms
+    assert "prompt mask" not in padded_terms and "prompt mask" not in unpadded_terms  # the prompts' call is causal
     with pytest.raises(SystemExit) as raised:
         main([*base, "--head-implementation", "cuda"])
     assert str(raised.value).startswith("shared-prefix-logps plan: --head-implementation:"), str(raised.value)

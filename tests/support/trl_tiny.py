@@ -110,12 +110,20 @@ class Record:
 
 
 def make_trainer(
-    tmp_path, *, kind: str = "plain", seed: int = 0, trainer_class=None, model=None, reward_func=reward_len, **overrides
+    tmp_path,
+    *,
+    kind: str = "plain",
+    seed: int = 0,
+    trainer_class=None,
+    model=None,
+    reward_func=reward_len,
+    prompts=None,
+    **overrides,
 ):
     """A GRPOTrainer on the tiny model (or ``model``, whose vocabulary must fit the tokenizer's). ``kind``: ``plain``
     (model instance), ``ref`` (saved to a directory so TRL can build its reference model, for beta > 0), ``peft``
     (LoRA; reference = the disabled adapter). Other keyword arguments override ``GRPOConfig`` fields;
-    ``reward_func`` replaces :func:`reward_len`."""
+    ``reward_func`` replaces :func:`reward_len`; ``prompts`` (default: :data:`PROMPTS` four times) the dataset."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -158,7 +166,7 @@ def make_trainer(
         model=model,
         reward_funcs=reward_func,
         args=GRPOConfig(**settings),
-        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4}),
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS * 4 if prompts is None else list(prompts)}),
         processing_class=tokenizer,
         peft_config=peft_config,
     )

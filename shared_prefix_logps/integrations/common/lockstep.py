@@ -18,9 +18,9 @@ a hang, or a "collective mismatch" error, or worse. Under FSDP the plug-in there
   block's forwards are all of one kind, and the padding forward is of that kind (``pad``);
 - runs a chunked micro-batch as one ``chunked_backward`` call of a shape every process agrees on
   (:func:`~.rows.padded_groups`): groups padded with masked rows to the largest group size G of any process, plus a
-  two-token placeholder prompt whose G one-token rows give every chunk a valid token, so that Phase 1, every chunk's
-  forward and backward, and the backward through the prompts run on every process. Padding and placeholder rows add
-  exactly zero to the loss and to every gradient.
+  two-token placeholder prompt whose G one-token rows give every chunk a valid token, so that the prompts' node call,
+  every chunk's forward and backward, and the backward through the prompts run on every process. Padding and placeholder
+  rows add exactly zero to the loss and to every gradient.
 
 :class:`Lockstep` is the core's (:mod:`shared_prefix_logps.distributed.lockstep`): the core entry points called inside
 a join make no agreement of their own. Calls made alike on every process (a chunked micro-batch of agreed shape, a

@@ -1,8 +1,8 @@
 """TRL's trainer under DDP, FSDP and DeepSpeed ZeRO-3.
 
-DDP. ``mode="logps"`` calls the DDP-wrapped model as TRL does: the phases' results leave through the model's outputs, so
-DDP's reducer sees one ordinary graph per micro-batch and reduces the gradients itself (communication hooks and
-overlap included; tests/integrations/trl/test_trl_integration.py checks it reduces without help from here).
+DDP. ``mode="logps"`` calls the DDP-wrapped model as TRL does: the node calls' results leave through the model's
+outputs, so DDP's reducer sees one ordinary graph per micro-batch and reduces the gradients itself (communication hooks
+and overlap included; tests/integrations/trl/test_trl_integration.py checks it reduces without help from here).
 
 The chunked mode cannot: it calls the model several times with several backwards per micro-batch, and every extra
 backward of a synchronizing step would all-reduce again. So its grad-enabled calls run ``ddp.module`` (DDP's reducer is

@@ -64,12 +64,6 @@ def compute_dtype(trainer, model) -> torch.dtype:
         return torch.float32
 
 
-def _has_prefix(attention_mask: torch.Tensor, logits_to_keep: int) -> bool:
-    """Whether some prompt has more than one token (Phase 1 forwards ``prompt[:, :-1]``)."""
-    split = attention_mask.shape[1] - logits_to_keep
-    return bool((attention_mask[:, : split - 1] != 0).any())
-
-
 class LogpsPatch:
     """Callable installed as ``trainer._get_per_token_logps_and_entropies``.
 
@@ -94,13 +88,13 @@ class LogpsPatch:
         if reason is None:
             reason = layout_problem(input_ids, attention_mask, logits_to_keep)
         if self.patch.lockstep is not None:
-            reason = self._agreed_reason(reason, attention_mask, logits_to_keep)
+            reason = self._agreed_reason(reason)
         if reason is not None:
             return self.fallback(reason, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
         compute_entropy = bool(arguments.get("compute_entropy", False))
         compute_aux = bool(arguments.get("compute_aux_loss", False))
         # Under FSDP a no-grad call's forwards are joined with the other processes' (how many there are depends on the
-        # rows); a call with gradient always makes the same two forwards, Phase 1 and Phase 2
+        # rows); a call with gradient agrees on its number of node calls in the core (its own lockstep)
         with self._in_step(model) if not torch.is_grad_enabled() else contextlib.nullcontext():
             try:
                 out = self.compute(model, input_ids, attention_mask, logits_to_keep, compute_entropy, compute_aux)
@@ -132,11 +126,8 @@ class LogpsPatch:
         lockstep = self.patch.lockstep
         return contextlib.nullcontext() if lockstep is None else lockstep.forwards(model, pad)
 
-    def _agreed_reason(self, reason, attention_mask, logits_to_keep):
+    def _agreed_reason(self, reason):
         """FSDP: the processes fall back together, if any of them has a reason to (``.distributed``)."""
-        if reason is None and torch.is_grad_enabled() and not _has_prefix(attention_mask, logits_to_keep):
-            # Phase 1 would not run on this process: its graph, and so its backward, would differ from the others'
-            reason = "every prompt is a single token (FSDP: no prefix to forward)"
         if self.patch.lockstep.any(reason is not None) and reason is None:
             reason = "another process falls back (FSDP: all processes fall back together)"
         return reason
@@ -145,7 +136,7 @@ class LogpsPatch:
         """The shared-prefix log-probs of a trainer-shaped batch, under the trainer's autocast (with every row's router
         statistics when ``compute_aux``)."""
         trainer = self.patch.trainer
-        # The model is called as TRL calls it, DDP included: the phases' results leave through the model's outputs,
+        # The model is called as TRL calls it, DDP included: the node calls' results leave through the model's outputs,
         # so DDP's reducer (unused-parameter search, gradient hooks, communication hooks) sees one ordinary graph.
         return compute_logps_concatenated(
             AutocastForward(model, trainer.accelerator.autocast),

@@ -94,8 +94,8 @@ class VerlPatch:
         if reason is not None:
             return self.fallback(reason, micro_batch, loss_function, forward_only)
         calculate_entropy = _flag(micro_batch, "calculate_entropy")
-        # No-grad forwards are joined with the other processes' (their number depends on the rows); a grad call makes
-        # Phase 1 and Phase 2 on every process (every process has a prefix: see _agreed_reason).
+        # No-grad forwards are joined with the other processes' (their number depends on the rows); a grad call agrees
+        # on its number of node calls in the core (its own lockstep).
         join = self._joined() if not torch.is_grad_enabled() else contextlib.nullcontext()
         try:
             with join:
@@ -195,9 +195,6 @@ class VerlPatch:
 
     def _agreed_reason(self, reason, rows):
         """Several processes: all fall back if any has a reason to."""
-        if reason is None and torch.is_grad_enabled() and not _has_prefix(rows):
-            # Phase 1 would not run here: this process's forwards and backward would differ from the others'
-            reason = "every prompt is a single token (FSDP: no prefix to forward)"
         if reason is None and torch.is_grad_enabled() and len(temperature_groups(rows)) > 1:
             reason = "several temperatures in one micro-batch (FSDP: one shared-path call per micro-batch)"
         if self.lockstep.any(reason is not None) and reason is None:
@@ -260,11 +257,6 @@ def _flag(micro_batch, key: str) -> bool:
     from verl.utils import tensordict_utils as tu
 
     return bool(tu.get_non_tensor_data(data=micro_batch, key=key, default=False))
-
-
-def _has_prefix(rows: VerlRows) -> bool:
-    """Whether some prompt has more than one token (Phase 1 forwards ``prompt[:, :-1]``)."""
-    return bool((rows.prompt_lens > 1).any())
 
 
 def _device(engine):

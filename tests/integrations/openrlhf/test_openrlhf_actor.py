@@ -14,8 +14,6 @@ from support.openrlhf_setup import grpo_loss, make_actor, openrlhf_rows
 
 from shared_prefix_logps.integrations.openrlhf import get_patch, patch_actor, unpatch_actor
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 def _pair(self_check=True, **kwargs):
     """Two identical actors, the first patched."""

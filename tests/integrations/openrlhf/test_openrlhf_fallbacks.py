@@ -15,8 +15,6 @@ from support.openrlhf_setup import make_actor, openrlhf_rows
 from shared_prefix_logps.integrations.openrlhf import SelfCheckError, patch_actor
 from shared_prefix_logps.integrations.openrlhf import patch as patch_module
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 def _padding_inside(sequences, actions, attention):
     attention = attention.clone()

@@ -15,8 +15,6 @@ from support.openrlhf_setup import import_openrlhf, make_actor, openrlhf_rows
 from shared_prefix_logps.integrations.openrlhf import get_patch, install, launch, uninstall, with_setup_hook
 from shared_prefix_logps.integrations.openrlhf.install import SETUP_HOOK, setup_worker
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 @pytest.fixture
 def installed():

@@ -16,8 +16,6 @@ from support.trees import spy_tree_calls
 
 from shared_prefix_logps.integrations.openrlhf import get_patch, patch_actor
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 SYSTEM = 70  # tokens of the shared system prompt: one repeat of it saves more than the tree pass's 64-token threshold
 SHORT_SYSTEM = 8  # a shared start too short for the tree pass to pay
 

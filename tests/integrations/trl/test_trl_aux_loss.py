@@ -16,8 +16,6 @@ from support.trl_tiny import make_trainer, moe_model, record_training  # noqa: E
 
 from shared_prefix_logps.integrations.trl import patch_grpo_trainer  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
 
 # A coefficient large enough that the aux term moves the parameters far beyond the comparison's tolerance (checked

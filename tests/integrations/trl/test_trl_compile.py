@@ -18,8 +18,6 @@ from support.trl_tiny import make_trainer, record_training  # noqa: E402
 
 from shared_prefix_logps.integrations.trl import patch_grpo_trainer  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 SETTINGS = dict(max_steps=1, gradient_checkpointing=False)
 
 

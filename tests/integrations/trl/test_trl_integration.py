@@ -36,8 +36,6 @@ from shared_prefix_logps.integrations.trl import (  # noqa: E402  # noqa: E402
 from shared_prefix_logps.integrations.trl import chunked as trl_chunked  # noqa: E402
 from shared_prefix_logps.integrations.trl import loss as trl_loss
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 # Each configuration runs 3 optimizer steps. Together they cover: beta > 0 with a separate reference model loaded
 # from a path, beta > 0 with PEFT (reference = disabled adapter), temperature != 1, entropy masking
 # (top_entropy_quantile < 1), entropy bonus, num_generations > per-device batch (groups split over micro-batches),

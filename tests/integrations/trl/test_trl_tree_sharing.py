@@ -18,8 +18,6 @@ from support.trl_tiny import make_trainer  # noqa: E402
 from shared_prefix_logps.engine import merge, sharing  # noqa: E402
 from shared_prefix_logps.integrations.trl import patch_grpo_trainer  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 SYSTEM_LEN = 70
 
 
@@ -54,7 +52,7 @@ def _embedded(model, fn):
 
 
 def test_shared_system_prompt_embeds_fewer_tokens_with_the_unpatched_numbers(tmp_path, monkeypatch):
-    # The trie's own count: the tiny-node rule would merge each 3-5-token prompt into its two rows (tests/tree).
+    # The trie's own count: the tiny-node rule would merge each 3-5-token prompt into its two rows (tests/engine).
     monkeypatch.setattr(merge, "MERGE_BELOW_SAVED_TOKENS", 0)
     trainer = make_trainer(tmp_path, temperature=0.7)
     input_ids, attention_mask, keep = _batch(trainer)

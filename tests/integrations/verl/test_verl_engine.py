@@ -11,8 +11,6 @@ import torch  # noqa: E402
 from support import verl_setup as vs  # noqa: E402
 from support.distributed import free_port  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory):

@@ -12,8 +12,6 @@ pytest.importorskip("verl")
 from support import verl_setup as vs  # noqa: E402
 from support.distributed import free_port  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 def test_options_from_environment():
     from shared_prefix_logps.integrations.verl import VerlOptions, options_from_environment

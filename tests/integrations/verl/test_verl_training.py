@@ -11,8 +11,6 @@ pytest.importorskip("verl")
 import torch  # noqa: E402
 from support import verl_setup as vs  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 @pytest.fixture(scope="module")
 def engines(process_group, tmp_path_factory):

@@ -18,8 +18,6 @@ from support import verl_setup as vs  # noqa: E402
 from support.distributed import free_port, set_rank_environment  # noqa: E402
 from support.trees import spy_tree_calls  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 SYSTEM = 70  # tokens of the shared system prompt: one repeat of it saves more than the tree pass's 64-token threshold
 SHORT_SYSTEM = 8  # a shared start too short for the tree pass to pay
 MICRO_BATCH = 6  # rows per micro-batch: the 12 shuffled rows make 2 micro-batches, each with 2 or 3 distinct prompts

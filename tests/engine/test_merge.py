@@ -12,8 +12,6 @@ from shared_prefix_logps.bench.node_cost import fork_rows
 from shared_prefix_logps.engine.merge import MERGE_BELOW_SAVED_TOKENS, merge_decisions, merge_tiny_nodes
 from shared_prefix_logps.engine.trie import build_trie
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 PROMPT = list(range(1, 9))  # 8 tokens
 HAND_ROWS = [
     PROMPT + [50, 60, 61],  # [50]: one token above two leaves, saves 1

@@ -1,4 +1,5 @@
-"""compute_logps / compute_logps_concatenated share deeper than the prompt when distinct prompts share a prefix."""
+"""compute_logps, compute_logps_concatenated and chunked_backward share deeper than the prompt when distinct prompts
+share a prefix."""
 
 import pytest
 import torch
@@ -6,12 +7,11 @@ from support.exactness import max_relative_grad_error, parameter_grads, weighted
 from support.tiny_models import build_model
 from support.trees import spy_tree_calls
 
-from shared_prefix_logps import compute_logps, compute_logps_concatenated
+from shared_prefix_logps import chunked_backward, compute_logps, compute_logps_concatenated
 from shared_prefix_logps.engine import merge, sharing
+from shared_prefix_logps.engine.trie import build_trie
 from shared_prefix_logps.inputs import split_concatenated
 from shared_prefix_logps.model import prepare_model
-
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SYSTEM_LEN = 70  # above sharing.DEEPER_SHARING_MIN_TOKENS once two prompts share it
 
@@ -92,6 +92,46 @@ def test_compute_logps_shares_the_system_prompt_too():
         parameter_grads(model, weighted_loss(tree)), parameter_grads(model, weighted_loss(dense))
     )
     assert grad_err < 1e-4
+
+
+@pytest.mark.parametrize("generations_per_chunk", [1, 3])
+def test_chunked_backward_embeds_a_200_token_system_prompt_once(generations_per_chunk, monkeypatch):
+    """A training step on prompts behind one 200-token system prompt embeds each token of the rows' trie once (the
+    system prompt once, not once per prompt; no prompt node re-forwarded for a later chunk), exact against dense.
+    (The trie's own count: the tiny-node rule would merge each prompt's own 3-5 tokens into its rows.)"""
+    monkeypatch.setattr(merge, "MERGE_BELOW_SAVED_TOKENS", 0)
+    model = build_model("qwen2")
+    ids, mask, keep = _trainer_rows(num_prompts=3, generations=3, system_len=200)
+    width = ids.shape[1] - keep
+    prompts, prompt_mask = ids[::3, :width], mask[::3, :width]
+    completions, completion_mask = ids[:, width:], mask[:, width:]
+    weights = torch.randn(completions.shape, generator=torch.Generator().manual_seed(2))
+    kwargs = dict(prompt_mask=prompt_mask, completion_mask=completion_mask)
+    dense = compute_logps(model, prompts, completions, backend="dense", **kwargs)
+    expected = parameter_grads(model, (dense.logps * weights).sum())
+    counted = []
+    handle = model.get_input_embeddings().register_forward_pre_hook(lambda _, args: counted.append(args[0].numel()))
+    try:
+        out = chunked_backward(
+            model,
+            prompts,
+            completions,
+            lambda chunk, rows: (chunk.logps * weights[rows]).sum(),
+            generations_per_chunk=generations_per_chunk,
+            **kwargs,
+        )
+    finally:
+        handle.remove()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    assert (out.logps - dense.logps).abs().max().item() < 1e-5
+    assert max_relative_grad_error(grads, expected) < 1e-4
+    # The trie of the rows' real tokens: the system prompt, each prompt's own tokens, each completion.
+    real = [row[m] for row, m in zip(ids, mask)]
+    lengths = torch.tensor([len(r) for r in real])
+    trie = build_trie(torch.nn.utils.rnn.pad_sequence(real, batch_first=True), lengths)
+    assert sum(counted) <= trie.num_tokens + trie.num_nodes, (sum(counted), trie.num_tokens, trie.num_nodes)
+    assert sum(counted) < int(mask.sum()) - 2 * 200  # the system prompt once, not once per prompt
 
 
 def test_prompts_that_share_little_take_the_one_level_path(monkeypatch):

@@ -9,8 +9,6 @@ from support.trees import pad_rows, random_tree_rows, star_batch
 from shared_prefix_logps import chunked_backward_tree, compute_logps_tree
 from shared_prefix_logps.bench.memory import LiveTensorBytes
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
 
 def _weights(shape, seed=1):
     gen = torch.Generator().manual_seed(seed)

@@ -1,0 +1,136 @@
+"""The recurrent layers' part of a node call: which state each node starts from, carried into the model's forward as
+a model kwarg, and the nodes' end states coming out through the model's output.
+
+:func:`install` wraps the forward of each recurrent layer of a model. Outside a node call (no
+:data:`RECURRENT_CALL_KWARG` among its kwargs) the wrapper calls the layer's own forward unchanged, so plain forwards
+and generation are untouched. Inside one, it runs the layer with :func:`~.layer.run_from_states` over the call's node
+spans from the call's initial states, and attaches the end states to the layer's output (``forward/routing.py``):
+they leave through module outputs, where wrappers (FSDP2, DDP, ZeRO-3) see their gradient. The kwarg travels with the
+forward through every decoder layer and survives non-reentrant activation checkpointing, which drops a ``cache``
+argument (transformers' ``GradientCheckpointingLayer`` sets it to None in training).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from ..forward.routing import RouteBox, attach, release
+from .layer import run_from_states
+from .spans import NodeSpans
+from .state import RecurrentState
+
+#: The model kwarg that carries a :class:`RecurrentCall` to the recurrent layers.
+RECURRENT_CALL_KWARG = "shared_prefix_recurrent"
+
+#: Attribute under which a wrapped layer keeps its own forward.
+_ORIGINAL_FORWARD = "_shared_prefix_original_forward"
+
+
+class RecurrentCall:
+    """The recurrent layers' part of one forward over some nodes.
+
+    A plain class, not a dataclass: FSDP2 rebuilds dataclass kwargs when it casts forward inputs, and the layers
+    must fill the object the caller holds.
+
+    Attributes:
+        spans: where each node's tokens sit in the layers' input (the same for every layer).
+        initial: recurrent layer -> the nodes' initial states (one row per node); empty when every node starts a row.
+        keep_ends: False when no node of the call has children: no end state is recorded, and one-token nodes avoid
+            the layers' one-token decode path (see :func:`~.layer.run_from_states`).
+        ran: the recurrent layers that ran in this forward (a layer object met twice is refused).
+        routes: recurrent layer -> the RouteBox its end state rides on (filled during the forward).
+        layouts: recurrent layer -> its end state as attached (the layout :meth:`release` rebuilds).
+        ends: recurrent layer -> the nodes' end states, set by :meth:`release`.
+        finished: set by :meth:`release`; later layer runs are activation-checkpoint recomputations.
+    """
+
+    def __init__(
+        self, spans: NodeSpans, initial: Mapping[nn.Module, RecurrentState] | None = None, *, keep_ends: bool = True
+    ):
+        self.spans = spans
+        self.initial = dict(initial or {})
+        self.keep_ends = keep_ends
+        self.ran: set[nn.Module] = set()
+        self.routes: dict[nn.Module, RouteBox] = {}
+        self.layouts: dict[nn.Module, RecurrentState] = {}
+        self.ends: dict[nn.Module, RecurrentState] = {}
+        self.finished = False
+
+    def initial_state(self, module: nn.Module) -> RecurrentState | None:
+        """``module``'s initial states for this call's nodes (None: every node starts a row)."""
+        if not self.initial:
+            return None
+        try:
+            return self.initial[module]
+        except KeyError:
+            raise ValueError(
+                f"no initial state for recurrent layer {type(module).__name__} "
+                f"(layer_idx {getattr(module, 'layer_idx', '?')}): the parent call did not run it"
+            ) from None
+
+    def release(self, output: torch.Tensor) -> dict[nn.Module, RecurrentState]:
+        """After the forward: each recurrent layer's end states, their gradient routed through ``output`` (a tensor
+        the outermost module returned). Sets :attr:`ends` and :attr:`finished`."""
+        modules = list(self.routes)
+        released = release(output, [self.routes[module] for module in modules])
+        position = 0
+        for module in modules:
+            layout = self.layouts[module]
+            size = len(layout.tensors())
+            self.ends[module] = layout.from_tensors(released[position : position + size])
+            position += size
+        self.finished = True
+        return self.ends
+
+
+def install(mixers: list[nn.Module]) -> None:
+    """Wrap the forward of each recurrent layer in ``mixers`` (idempotent); see the module docstring."""
+    for module in mixers:
+        if hasattr(module, _ORIGINAL_FORWARD):
+            continue
+        original = module.forward
+        # Whether the forward was already an instance attribute (accelerate's hooks set one), to restore it as found.
+        setattr(module, _ORIGINAL_FORWARD, (original, "forward" in module.__dict__))
+        module.forward = functools.wraps(original)(functools.partial(_forking_forward, module, original))
+
+
+def uninstall(mixers: list[nn.Module]) -> None:
+    """Give each layer of ``mixers`` its own forward back."""
+    for module in mixers:
+        if hasattr(module, _ORIGINAL_FORWARD):
+            original, was_attribute = getattr(module, _ORIGINAL_FORWARD)
+            delattr(module, _ORIGINAL_FORWARD)
+            if was_attribute:
+                module.forward = original
+            else:
+                del module.forward  # the class's forward shows through again
+
+
+def _forking_forward(module: nn.Module, original, *args, **kwargs):
+    call = kwargs.pop(RECURRENT_CALL_KWARG, None)
+    if call is None:
+        return original(*args, **kwargs)
+    hidden_states = args[0] if args else kwargs["hidden_states"]
+    if call.keep_ends and not call.finished:
+        if module in call.ran:
+            raise ValueError(
+                f"recurrent layer {type(module).__name__} ran twice in one forward (the same layer object appears more "
+                "than once in the model's layers); its end state would be ambiguous"
+            )
+        call.ran.add(module)
+    # The layer's other arguments (its cache, the padding mask, packed-sequence kwargs) describe the caller's batch
+    # layout; the spans replace them: each node's tokens run unpadded from the node's own state.
+    output, end = run_from_states(
+        module, hidden_states, call.spans, call.initial_state(module), forward=original, keep_ends=call.keep_ends
+    )
+    if call.finished or not call.keep_ends:
+        # Nothing to hand on (a call of leaves), or an activation-checkpoint recomputation in backward (the end
+        # states are already in the graph).
+        return output
+    box = call.routes[module] = RouteBox()
+    call.layouts[module] = end
+    return attach(output, box, *end.tensors())

@@ -1,0 +1,88 @@
+"""The flex layout (packed, forward-only on CPU) against dense: grouped batches and trees."""
+
+import pytest
+import torch
+from support.exactness import max_relative_grad_error
+from support.tiny_models import FAMILIES, build_model, make_batch
+from support.trees import pad_rows, random_tree_rows
+
+from shared_prefix_logps import chunked_backward_tree, compute_logps, compute_logps_tree
+
+# Eager flex_attention on CPU warns that it is unfused; that is expected here.
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("generations", [1, 4])
+def test_flex_forward_matches_dense(family, generations):
+    model = build_model(family)
+    prompts, pmask, comps, cmask = make_batch(3, generations, prompt_len=13, completion_len=8, seed=generations)
+    kwargs = dict(prompt_mask=pmask, completion_mask=cmask, temperature=0.7, return_entropy=True)
+    with torch.no_grad():
+        flex = compute_logps(model, prompts, comps, backend="flex", **kwargs)
+        dense = compute_logps(model, prompts, comps, backend="dense", **kwargs)
+    assert (flex.logps - dense.logps).abs().max() <= 1e-5
+    assert (flex.entropy - dense.entropy).abs().max() <= 1e-5
+    assert (flex.logps[~cmask] == 0).all()
+
+
+def test_flex_backward_on_cpu_is_refused():
+    model = build_model("llama")
+    prompts, pmask, comps, cmask = make_batch(2, 2, prompt_len=5, completion_len=3)
+    with pytest.raises(ValueError, match="no backward on CPU"):
+        compute_logps(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, backend="flex")
+    ids, mask, score = pad_rows(random_tree_rows(1, depth=2, branching=2), 1)
+    with pytest.raises(ValueError, match="no backward on CPU"):
+        compute_logps_tree(model, ids, mask, score, backend="flex")
+    with pytest.raises(ValueError, match="no backward on CPU"):
+        chunked_backward_tree(model, ids, mask, score, lambda out, rows: out.logps.sum(), backend="flex")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe"])
+@pytest.mark.parametrize("budget", [1, None])
+def test_flex_scoring_of_trees_matches_dense(family, budget):
+    model = build_model(family)
+    ids, mask, score = pad_rows(random_tree_rows(4, depth=4, branching=3), 4)
+    with torch.no_grad():
+        tree = compute_logps_tree(model, ids, mask, score, return_entropy=True, token_budget=budget, backend="flex")
+        dense = compute_logps_tree(model, ids, mask, score, return_entropy=True, backend="dense")
+    assert (tree.logps - dense.logps).abs().max().item() < 1e-5
+    assert (tree.entropy - dense.entropy).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_flex_gradients_of_trees_match_dense(family, flex_backward_on_cpu):
+    model = build_model(family)
+    ids, mask, score = pad_rows(random_tree_rows(2, depth=3, branching=3), 2)
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(out, rows):
+        return (out.logps * weights[rows]).sum()
+
+    def grads():
+        found = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return found
+
+    every = torch.arange(ids.shape[0])
+    loss_fn(compute_logps_tree(model, ids, mask, score, backend="dense"), every).backward()
+    reference = grads()
+    loss_fn(compute_logps_tree(model, ids, mask, score, backend="flex"), every).backward()
+    assert max_relative_grad_error(grads(), reference) < 1e-4
+    chunked_backward_tree(model, ids, mask, score, loss_fn, rows_per_chunk=2, backend="flex")
+    assert max_relative_grad_error(grads(), reference) < 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_flex_all_masked_with_grad_gives_zero_gradients_like_dense():
+    model = build_model("llama").cuda()
+    prompts, pmask, comps, _ = make_batch(2, 3, prompt_len=7, completion_len=5)
+    kwargs = dict(prompt_mask=pmask.cuda(), completion_mask=torch.zeros(comps.shape, dtype=torch.bool).cuda())
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = {}
+    for backend in ("flex", "dense"):
+        out = compute_logps(model, prompts.cuda(), comps.cuda(), return_entropy=True, backend=backend, **kwargs)
+        grads[backend] = torch.autograd.grad(out.logps.sum() + out.entropy.sum(), params)
+    for ours, theirs in zip(grads["flex"], grads["dense"]):
+        assert torch.equal(ours, theirs) and not ours.any()

@@ -1,0 +1,82 @@
+"""Tiny random linear-attention hybrids (Qwen3.5, Qwen3.5-MoE, Qwen3-Next), built from configs (nothing downloaded).
+
+Three layers: Gated DeltaNet, gated full attention, Gated DeltaNet, so a recurrent layer reads what an attention layer
+wrote. Value heads outnumber key heads (grouped value attention, as in the released models), the convolution kernel is
+4 (the released size) and MoE variants route 2 of 4 experts plus the shared expert.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 101
+
+#: model_type of each tiny model's config (the text-only causal LMs; the composite Qwen3.5 configs are ``qwen3_5`` and
+#: ``qwen3_5_moe``).
+HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+
+#: The recurrent layers' chunk size: transformers' Gated DeltaNet layers call their chunked kernel with its default.
+GDN_CHUNK_SIZE = 64
+
+CONV_KERNEL = 4
+
+#: transformers' default (and the released configs'). The float32 Gated DeltaNet kernel solves a triangular system
+#: per chunk whose rounding grows with the projections' scale: at 0.1 the model's own dense forward already moves
+#: its log-probs by up to 7e-6 between a row batched with left padding and the same row alone, at 0.02 by 1e-6
+#: (the float32 floor of a log-softmax over this vocabulary).
+INITIALIZER_RANGE = 0.02
+
+
+def build_hybrid(family: str, *, dtype=torch.float32, seed: int = 0, decay: str = "moderate"):
+    """A 3-layer model of ``family`` (one of :data:`HYBRID_FAMILIES`) in eval mode.
+
+    ``decay``: ``"moderate"`` draws each value head's decay rate A in [0.01, 1]; ``"default"`` keeps the model's own
+    initialisation (A in [0.01, 16]). With large A the per-chunk cumulative decays reach -1000 and the float32 torch
+    kernel (transformers computes the recurrence in float32 whatever the model dtype) rounds the decay parameters'
+    gradients (A_log, dt_bias) at ~1e-4 relative: the model's own dense forward moves that much when its rows are
+    shifted by masked padding. Moderate decays keep that noise near 1e-6, below the tests' tolerance.
+    """
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_conv_kernel_dim=CONV_KERNEL,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention"],
+        max_position_embeddings=512,
+        initializer_range=INITIALIZER_RANGE,
+    )
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    if family == "qwen3_5_text":
+        config, cls = transformers.Qwen3_5TextConfig(**common), transformers.Qwen3_5ForCausalLM
+    elif family == "qwen3_5_moe_text":
+        config, cls = transformers.Qwen3_5MoeTextConfig(**common, **moe), transformers.Qwen3_5MoeForCausalLM
+    elif family == "qwen3_next":
+        config, cls = transformers.Qwen3NextConfig(**common, **moe), transformers.Qwen3NextForCausalLM
+    else:
+        raise ValueError(f"unknown hybrid family {family!r}")
+    torch.manual_seed(seed)
+    model = cls(config)
+    if decay == "moderate":
+        for mixer in recurrent_layers(model):
+            with torch.no_grad():
+                mixer.A_log.copy_(torch.empty_like(mixer.A_log).uniform_(0.01, 1.0).log())
+    elif decay != "default":
+        raise ValueError(f"decay must be 'moderate' or 'default', got {decay!r}")
+    if dtype == torch.float64 and family != "qwen3_5_text":
+        # transformers' grouped-matmul experts take no float64; the eager loop computes the same routing.
+        model.set_experts_implementation("eager")
+    return model.to(dtype).eval()
+
+
+def recurrent_layers(model) -> list:
+    """The Gated DeltaNet layers of a tiny hybrid, in layer order."""
+    return [layer.linear_attn for layer in model.model.layers if hasattr(layer, "linear_attn")]

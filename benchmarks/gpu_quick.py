@@ -270,45 +270,6 @@ def stage_s0(checks: Checks, device) -> None:
 FP32_LOGPS_TOL, FP32_GRAD_TOL = 1e-4, 1e-3
 
 
-def _run_mode(model, mode, backend, batch, **kwargs):
-    """(logps, entropy, grads or None) of one way of calling the library (as tests/gpu/test_gpu.py)."""
-    import torch
-    from support.exactness import parameter_grads, weighted_loss
-
-    from shared_prefix_logps import LogpsOutput, chunked_backward, compute_logps
-
-    prompts, pmask, comps, cmask = batch
-    kwargs = dict(prompt_mask=pmask, completion_mask=cmask, return_entropy=True, **kwargs)
-    if mode == "score":
-        with torch.no_grad():
-            out = compute_logps(model, prompts, comps, backend=backend, **kwargs)
-        return out.logps, out.entropy, None
-    if mode == "train":
-        out = compute_logps(model, prompts, comps, backend=backend, **kwargs)
-        return out.logps.detach(), out.entropy.detach(), parameter_grads(model, weighted_loss(out))
-
-    def in_full_batch(chunk, rows):
-        def scatter(values):
-            full = torch.zeros(comps.shape[0], values.shape[1], dtype=values.dtype, device=values.device)
-            return full.index_copy(0, rows, values)
-
-        return LogpsOutput(scatter(chunk.logps), scatter(chunk.entropy), scatter(chunk.mask))
-
-    model.zero_grad(set_to_none=True)
-    out = chunked_backward(
-        model,
-        prompts,
-        comps,
-        lambda chunk, rows: weighted_loss(in_full_batch(chunk, rows)),
-        generations_per_chunk=2,
-        backend=backend,
-        **kwargs,
-    )
-    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return out.logps, out.entropy, grads
-
-
 def _modes(backend, device):
     """Modes a backend runs here: flex has no backward on CPU."""
     return ("score",) if backend == "flex" and device.type != "cuda" else ("score", "train", "chunked")
@@ -316,7 +277,7 @@ def _modes(backend, device):
 
 def stage_s1(checks: Checks, device) -> None:
     import torch
-    from support.exactness import max_relative_grad_error
+    from support.exactness import max_relative_grad_error, run_mode
     from support.gpu_models import gpu_test_model
     from support.tiny_models import make_batch
 
@@ -377,12 +338,12 @@ def stage_s1(checks: Checks, device) -> None:
 
     llama = gpu_test_model("llama").to(device)
     batch = batch_on()
-    reference = _run_mode(llama, "train", "dense", batch, temperature=0.7)
+    reference = run_mode(llama, "train", "dense", batch, temperature=0.7)
     for backend in ("expand", "flex"):
         for mode in _modes(backend, device):
 
             def fp32(backend=backend, mode=mode):
-                logps, entropy, grads = _run_mode(llama, mode, backend, batch, temperature=0.7)
+                logps, entropy, grads = run_mode(llama, mode, backend, batch, temperature=0.7)
                 ref_logps, ref_entropy, ref_grads = reference
                 figures = {
                     "logps_max_abs": float((logps - ref_logps).abs().max()),
@@ -402,9 +363,9 @@ def stage_s1(checks: Checks, device) -> None:
         model = gpu_test_model("llama", torch.bfloat16).to(device)
         exact = gpu_test_model("llama", torch.float32).to(device)
         exact.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
-        truth = _run_mode(exact, "train", "dense", batch)
+        truth = run_mode(exact, "train", "dense", batch)
         with _dense_off_cudnn():
-            dense = _run_mode(model, "train", "dense", batch)
+            dense = run_mode(model, "train", "dense", batch)
         return model, truth, dense
 
     model16, truth, dense16 = bf16_setup()
@@ -417,7 +378,7 @@ def stage_s1(checks: Checks, device) -> None:
         for mode in _modes(backend, device):
 
             def bf16(backend=backend, mode=mode):
-                logps, _, grads = _run_mode(model16, mode, backend, batch)
+                logps, _, grads = run_mode(model16, mode, backend, batch)
                 dense_err = (dense16[0] - truth[0])[mask].abs()
                 ours_err = (logps - truth[0])[mask].abs()
                 figures = {
@@ -441,8 +402,8 @@ def stage_s1(checks: Checks, device) -> None:
         model = gpu_test_model(family).to(device)
         gemma_batch = batch_on(seed=2)
         mode = "train" if cuda else "score"
-        logps, entropy, grads = _run_mode(model, mode, "flex", gemma_batch, temperature=0.7)
-        ref_logps, ref_entropy, ref_grads = _run_mode(model, "train", "dense", gemma_batch, temperature=0.7)
+        logps, entropy, grads = run_mode(model, mode, "flex", gemma_batch, temperature=0.7)
+        ref_logps, ref_entropy, ref_grads = run_mode(model, "train", "dense", gemma_batch, temperature=0.7)
         figures = {
             "family": family,
             "mode": mode,
@@ -543,8 +504,8 @@ def stage_s1(checks: Checks, device) -> None:
         mla_batch = tuple(t.to(device) for t in make_batch(2, 2, 40, 16, seed=4))
         for t in (mla_batch[0], mla_batch[2]):
             t.remainder_(512)
-        logps, _, _ = _run_mode(model, "score", "flex", mla_batch)
-        ref_logps, _, _ = _run_mode(model, "score", "dense", mla_batch)
+        logps, _, _ = run_mode(model, "score", "flex", mla_batch)
+        ref_logps, _, _ = run_mode(model, "score", "dense", mla_batch)
         figures = {"qk_head_dim": config.qk_nope_head_dim + config.qk_rope_head_dim}
         figures["logps_max_abs"] = float((logps - ref_logps).abs().max())
         return figures["logps_max_abs"] <= FP32_LOGPS_TOL, figures

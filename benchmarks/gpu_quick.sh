@@ -4,14 +4,16 @@
 #   OUT=out bash benchmarks/gpu_quick.sh                 # every stage within DEADLINE_S seconds (default 480)
 #   OUT=out DEADLINE_S=300 STAGES=S0,S1 bash benchmarks/gpu_quick.sh
 #
-# Stages S0 (environment) .. S5 (compile caches) are described in benchmarks/gpu_quick.py and docs/benchmarks.md.
+# Stages S0 (environment) .. S4, S6 (hybrids) and S5 (compile caches, last) are described in
+# benchmarks/gpu_quick.py and docs/benchmarks.md.
 # Each result is one JSON line appended to $OUT/results.jsonl as soon as it exists; the whole log goes to
 # $OUT/quick.log, a Markdown summary to $OUT/summary.md. At most 4 files are written under $OUT (results.jsonl,
 # quick.log, summary.md, gpu-cache.tar.gz).
 # A stage whose estimated cost exceeds the time left is skipped with that reason; one that overruns is stopped.
 #
 # Nothing is fetched: pip never contacts a package index. Pure-Python wheels found in an ignored .whl/ folder are
-# installed with --no-index into a temporary directory ($WHEELS names another folder). Compile caches live in .gpu-cache/ (ignored), restored from
+# installed with --no-index into a temporary directory ($WHEELS names another folder). Compile caches live in
+# .gpu-cache/ (ignored), restored from
 # .gpu-cache.tar.gz when one lies in the repository root (S5 writes it to $OUT; copy it there to reuse it).
 # Without CUDA every stage runs at tiny shapes on CPU (a dry run of the plumbing; tests/bench/test_gpu_quick.py).
 # Exit code: 0 when every stage ended ok or skipped, 1 when a check or stage failed.
@@ -21,7 +23,7 @@ cd "$ROOT"
 START=$(date +%s)
 OUT=${OUT:-out}
 DEADLINE_S=${DEADLINE_S:-480}
-STAGES=${STAGES:-S0,S1,S2,S3,S4,S5}
+STAGES=${STAGES:-S0,S1,S2,S3,S4,S6,S5}
 PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -42,7 +44,8 @@ mkdir -p .gpu-cache
 WHEELS=${WHEELS:-.whl}
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
     SITE=$(mktemp -d)
-    if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$WHEELS"/*.whl >>"$LOG" 2>&1; then
+    if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$WHEELS"/*.whl \
+        >>"$LOG" 2>&1; then
         export PYTHONPATH="$PYTHONPATH:$SITE"
         log "installed wheels from $WHEELS/: $(cd "$WHEELS" && ls -- *.whl | tr '\n' ' ')"
     else

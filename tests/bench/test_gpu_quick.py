@@ -1,4 +1,4 @@
-"""``benchmarks/gpu_quick.sh`` as a CPU dry run: every stage S0-S5 leaves a result line (ok, or skipped with its
+"""``benchmarks/gpu_quick.sh`` as a CPU dry run: every stage S0-S6 leaves a result line (ok, or skipped with its
 reason) within the deadline, the script writes few files, installs wheels from a local folder without contacting a
 package index, and a short deadline skips the stages that do not fit instead of overrunning."""
 
@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_quick.sh"
-STAGES = ("S0", "S1", "S2", "S3", "S4", "S5")
+STAGES = ("S0", "S1", "S2", "S3", "S4", "S6", "S5")
 
 
 def _tiny_wheel(folder: Path) -> Path:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.exactness import max_relative_grad_error, parameter_grads, weighted_loss
+from support.exactness import max_relative_grad_error, run_mode, weighted_loss
 from support.gpu_models import PEAK_VOCAB, gpu_test_model, peak_memory_model
 from support.graph_counter import GraphCounter
 from support.tiny_models import make_batch
 
-from shared_prefix_logps import LogpsOutput, chunked_backward, compute_logps
+from shared_prefix_logps import chunked_backward, compute_logps
 from shared_prefix_logps.backends import flex, sdpa_kernels
 
 pytestmark = [
@@ -47,44 +47,6 @@ def cuda_model(family, dtype=torch.float32):
 def cuda_batch(num_prompts=3, generations=4, prompt_len=40, completion_len=24, seed=1):
     """A make_batch batch on CUDA: rows longer than every sliding window, a one-token prompt, an empty completion."""
     return tuple(t.to(CUDA) for t in make_batch(num_prompts, generations, prompt_len, completion_len, seed=seed))
-
-
-def in_full_batch(chunk, rows, num_rows):
-    """A chunk's output scattered into zeros of the full batch, so ``weighted_loss`` weighs rows as for the batch."""
-
-    def scatter(values):
-        return torch.zeros(num_rows, values.shape[1], dtype=values.dtype, device=values.device).index_copy(
-            0, rows, values
-        )
-
-    entropy = None if chunk.entropy is None else scatter(chunk.entropy)
-    return LogpsOutput(scatter(chunk.logps), entropy, scatter(chunk.mask))
-
-
-def run_mode(model, mode, backend, batch, **kwargs):
-    """(logps (rows, C) float32, entropy, parameter grads or None) of one way of calling the library."""
-    prompts, pmask, comps, cmask = batch
-    kwargs = dict(prompt_mask=pmask, completion_mask=cmask, return_entropy=True, **kwargs)
-    if mode == "score":
-        with torch.no_grad():
-            out = compute_logps(model, prompts, comps, backend=backend, **kwargs)
-        return out.logps, out.entropy, None
-    if mode == "train":
-        out = compute_logps(model, prompts, comps, backend=backend, **kwargs)
-        return out.logps.detach(), out.entropy.detach(), parameter_grads(model, weighted_loss(out))
-    model.zero_grad(set_to_none=True)
-    out = chunked_backward(
-        model,
-        prompts,
-        comps,
-        lambda chunk, rows: weighted_loss(in_full_batch(chunk, rows, comps.shape[0])),
-        generations_per_chunk=min(2, comps.shape[0] // prompts.shape[0]),
-        backend=backend,
-        **kwargs,
-    )
-    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    return out.logps, out.entropy, grads
 
 
 def dense_reference(model, batch, **kwargs):

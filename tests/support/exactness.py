@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shared_prefix_logps import compute_logps
+from shared_prefix_logps import LogpsOutput, chunked_backward, compute_logps
 
 
 def weighted_loss(out, seed: int = 1):
@@ -76,3 +76,45 @@ def check_grads_or_exact(grads: dict, expected: dict, exact_grads, *, tol: float
         error = (grads[name].double() - exact[name]).norm().item()
         allowed = tol * exact[name].norm().item() + noise * largest
         assert error <= allowed, f"{name}: {error:.3e} from the float64 gradient (allowed {allowed:.3e})"
+
+
+def in_full_batch(chunk, rows, num_rows: int):
+    """A chunk's output scattered into zeros of the full batch of ``num_rows`` rows, so :func:`weighted_loss` weighs
+    each row as it does for the whole batch."""
+
+    def scatter(values):
+        full = torch.zeros(num_rows, values.shape[1], dtype=values.dtype, device=values.device)
+        return full.index_copy(0, rows, values)
+
+    entropy = None if chunk.entropy is None else scatter(chunk.entropy)
+    return LogpsOutput(scatter(chunk.logps), entropy, scatter(chunk.mask))
+
+
+def run_mode(model, mode: str, backend: str, batch, *, generations_per_chunk: int = 2, **kwargs):
+    """(logps (rows, C) float32, entropy, parameter grads or None) of one way of calling the library on ``batch``
+    (prompts, prompt_mask, completions, completion_mask): ``"score"`` (compute_logps without gradients), ``"train"``
+    (compute_logps, gradients of :func:`weighted_loss`) or ``"chunked"`` (chunked_backward with the same loss)."""
+    prompts, pmask, comps, cmask = batch
+    kwargs = dict(prompt_mask=pmask, completion_mask=cmask, return_entropy=True, **kwargs)
+    if mode == "score":
+        with torch.no_grad():
+            out = compute_logps(model, prompts, comps, backend=backend, **kwargs)
+        return out.logps, out.entropy, None
+    if mode == "train":
+        out = compute_logps(model, prompts, comps, backend=backend, **kwargs)
+        return out.logps.detach(), out.entropy.detach(), parameter_grads(model, weighted_loss(out))
+    if mode != "chunked":
+        raise ValueError(f"mode must be 'score', 'train' or 'chunked', got {mode!r}")
+    model.zero_grad(set_to_none=True)
+    out = chunked_backward(
+        model,
+        prompts,
+        comps,
+        lambda chunk, rows: weighted_loss(in_full_batch(chunk, rows, comps.shape[0])),
+        generations_per_chunk=min(generations_per_chunk, comps.shape[0] // prompts.shape[0]),
+        backend=backend,
+        **kwargs,
+    )
+    grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return out.logps, out.entropy, grads

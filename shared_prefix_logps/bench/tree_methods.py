@@ -140,20 +140,30 @@ Step = Callable[[torch.nn.Module, TreeCase, bool], torch.Tensor]
 
 
 def _dense(model, case: TreeCase, train: bool) -> torch.Tensor:
+    """Every row through the model in micro-batches of rows of one length; with ``train`` one backward per
+    ``dense_tokens`` tokens of micro-batches (their losses summed), as a trainer accumulates within its memory: a
+    backward per micro-batch would build the full-vocabulary head and embedding weight gradients once per length."""
     w = case.workload
     out = torch.zeros(w.score_mask.shape, dtype=torch.float32, device=w.input_ids.device)
+    pending, pending_tokens = [], 0
     for rows, length, columns in case.dense_groups():
         if columns.numel() == 0:
             continue  # nothing scored: no log-prob and no gradient
         ids = w.input_ids[rows, :length]
+        if train and pending and pending_tokens + ids.numel() > case.dense_tokens:
+            torch.stack(pending).sum().backward()
+            pending, pending_tokens = [], 0
         with torch.set_grad_enabled(train):
             # No attention mask: the rows are cut to their real tokens, so attention is plain causal. The head runs
             # on the hidden states that predict the scored tokens only (logits_to_keep as indices).
             logits = model(input_ids=ids, use_cache=False, logits_to_keep=columns - 1).logits.float()
             logps = torch.log_softmax(logits, -1).gather(-1, ids[:, columns, None]).squeeze(-1)
-            if train:
-                logps.sum().backward()
+        if train:
+            pending.append(logps.sum())
+            pending_tokens += ids.numel()
         out[rows[:, None], columns[None, :]] = logps.detach()
+    if pending:
+        torch.stack(pending).sum().backward()
     return out
 
 

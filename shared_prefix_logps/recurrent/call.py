@@ -132,7 +132,13 @@ def _forking_forward(module: nn.Module, original, *args, **kwargs):
     call = kwargs.pop(RECURRENT_CALL_KWARG, None)
     if call is None:
         return original(*args, **kwargs)
-    hidden_states = args[0] if args else kwargs["hidden_states"]
+    return _forked_forward(module, original, call, args[0] if args else kwargs["hidden_states"])
+
+
+# Eager under torch.compile, as the attention and head of a node call are: the call's spans, states and routes change
+# with every call (a traced graph would freeze the first call's), and the layer runs once per node length.
+@torch.compiler.disable
+def _forked_forward(module: nn.Module, original, call: RecurrentCall, hidden_states: torch.Tensor) -> torch.Tensor:
     if not call.finished:
         if module in call.ran:
             raise ValueError(

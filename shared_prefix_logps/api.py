@@ -12,7 +12,7 @@ from .backends.choice import resolve_attention_backend
 from .distributed.lockstep import call_lockstep
 from .engine import merge
 from .engine.dense import dense_logps
-from .engine.plan import grouped_plan, rows_plan
+from .engine.plan import grouped_plan, one_token_forks, rows_plan
 from .engine.scoring import score_plan
 from .engine.sharing import deeper_sharing_pays, grouped_rows
 from .inputs import GroupedBatch, check_options, check_tree_rows, group_batch, split_concatenated
@@ -186,7 +186,7 @@ def compute_logps_tree(
         return LogpsOutput(logps, entropy, rows.score_mask)
     return score_plan(
         prepared,
-        rows_plan(rows, merge_below),
+        rows_plan(rows, merge_below, one_token_forks=one_token_forks(prepared)),
         layout=resolve_attention_backend(backend, prepared.device),
         temperature=temperature,
         return_entropy=return_entropy,
@@ -209,7 +209,9 @@ def score_grouped(
         return LogpsOutput(logps[:, width:], None if entropy is None else entropy[:, width:], batch.completion_mask)
     steps = call_lockstep(model, lockstep, prepared.device)
     deeper = deeper_sharing_pays(batch, two_forwards=two_forwards_only(steps))
-    plan = grouped_plan(batch, deeper=deeper, merge_below=merge.MERGE_BELOW_SAVED_TOKENS)
+    plan = grouped_plan(
+        batch, deeper=deeper, merge_below=merge.MERGE_BELOW_SAVED_TOKENS, one_token_forks=one_token_forks(prepared)
+    )
     return score_plan(
         prepared,
         plan,

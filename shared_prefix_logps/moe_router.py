@@ -1,8 +1,8 @@
 """The MoE router load-balancing loss of full rows ``[prompt | completion]``, from node calls.
 
-transformers' MoE causal LMs (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS) return, with ``output_router_logits=True``,
-``aux_loss = load_balancing_loss_func(router_logits, num_experts, top_k, attention_mask)``: over every (MoE layer,
-real token) pair of the batch,
+transformers' MoE causal LMs (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, Qwen3.5-MoE, Qwen3-Next) return, with
+``output_router_logits=True``, ``aux_loss = load_balancing_loss_func(router_logits, num_experts, top_k,
+attention_mask)``: over every (MoE layer, real token) pair of the batch,
 
     aux = num_experts * sum_e f_e * P_e,   f_e = count_e / N,   P_e = prob_e / N,
 
@@ -26,7 +26,18 @@ from .errors import UnsupportedModelError
 #: Model types whose causal LM computes ``aux_loss`` with ``load_balancing_loss_func`` (same formula in
 #: transformers 4.56 and 5.x; each is tested against the model's own ``aux_loss``). GLM4-MoE and DeepSeek-V3 return
 #: router logits but no aux loss.
-AUX_LOSS_MODEL_TYPES = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"})
+AUX_LOSS_MODEL_TYPES = frozenset(
+    {
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_moe",
+        "gpt_oss",
+        # linear-attention hybrids (recurrent/): every layer's router, Gated DeltaNet and attention layers alike
+        "qwen3_5_moe",
+        "qwen3_5_moe_text",
+        "qwen3_next",
+    }
+)
 
 
 @dataclass

@@ -21,7 +21,7 @@ from .distributed.lockstep import call_lockstep
 from .engine import merge
 from .engine.calls import one_token_zero
 from .engine.lockstep import CallAgreement
-from .engine.plan import Plan, generation_chunks, grouped_plan, rows_plan
+from .engine.plan import Plan, generation_chunks, grouped_plan, one_token_forks, rows_plan
 from .engine.sharing import deeper_sharing_pays
 from .engine.walk import Walk
 from .engine.weight_grads import weight_grads
@@ -121,7 +121,9 @@ def chunked_backward(
     router = router_spec(prepared.causal_lm) if return_router_stats else None
     steps = call_lockstep(model, lockstep, prepared.device)
     deeper = deeper_sharing_pays(batch, two_forwards=two_forwards_only(steps))
-    plan = grouped_plan(batch, deeper=deeper, merge_below=merge.MERGE_BELOW_SAVED_TOKENS)
+    plan = grouped_plan(
+        batch, deeper=deeper, merge_below=merge.MERGE_BELOW_SAVED_TOKENS, one_token_forks=one_token_forks(prepared)
+    )
     plan = plan.ordered(generation_chunks(num_prompts, generations, generations_per_chunk))
     return train_plan(prepared, plan, loss_fn, driver, steps, layout, float(temperature), return_entropy, router)
 
@@ -181,7 +183,7 @@ def chunked_backward_tree(
     prepared = prepare_model(model)
     layout = resolve_attention_backend(backend, prepared.device)
     rows = check_tree_rows(input_ids, attention_mask, score_mask, model=prepared)
-    plan = rows_plan(rows, merge_below).in_chunks_of(rows_per_chunk)
+    plan = rows_plan(rows, merge_below, one_token_forks=one_token_forks(prepared)).in_chunks_of(rows_per_chunk)
     steps = call_lockstep(model, lockstep, prepared.device)
     return train_plan(prepared, plan, loss_fn, driver, steps, layout, float(temperature), return_entropy, None)
 

@@ -10,7 +10,10 @@ softmax and elementwise work are left out):
 - attention: per (query, key) pair and layer ``q·k`` and ``p·v`` over every query head, ``4 · heads · head_dim``;
   a pair counts only where the key is visible (causal, within the layer's sliding window), the least any kernel
   must compute;
-- head: ``2 · hidden · vocab`` per scored token.
+- head: ``2 · hidden · vocab`` per scored token;
+- a linear-attention hybrid's Gated DeltaNet layers (Qwen3.5, Qwen3-Next): per token their projections, the
+  depthwise convolution and the chunked recurrence's matmuls (``plan.dims.LinearAttention``); they attend over no
+  (query, key) pairs, and the attention layers' query projection also yields the output gate.
 
 Backward is twice forward for every matmul (the gradients of both operands), which is also what autograd of the
 matmuls (eager or math attention) executes; attention kernels that recompute the scores in backward do more.
@@ -51,6 +54,9 @@ class ModelShape:
     ``routed`` (mixture-of-experts models; None for dense ones): per layer, (the gated-MLP width one token goes
     through: the dense ``intermediate``, or its top-k experts' and the shared ones', and the router's experts, 0 in
     a dense layer).
+
+    ``linear`` (linear-attention hybrids; None otherwise): the Gated DeltaNet layers (``plan.dims.LinearAttention``,
+    their indices among the layers); ``attention_gate``: the attention layers' query projection is twice as wide.
     """
 
     hidden: int
@@ -61,6 +67,8 @@ class ModelShape:
     vocab: int
     windows: tuple[int | None, ...]
     routed: tuple[tuple[int, int], ...] | None = None
+    linear: object = None
+    attention_gate: bool = False
 
     @classmethod
     def from_config(cls, config) -> ModelShape:
@@ -87,6 +95,9 @@ class ModelShape:
             windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
         else:
             windows = (window,) * layers
+        from ..plan.dims import LINEAR_ATTENTION_MODEL_TYPES, linear_from_config
+
+        fields = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
         return cls(
             hidden=config.hidden_size,
             heads=heads,
@@ -96,21 +107,32 @@ class ModelShape:
             vocab=config.vocab_size,
             windows=windows,
             routed=_routed_widths(config, layers),
+            linear=linear_from_config(fields, "config"),
+            attention_gate=fields.get("model_type") in LINEAR_ATTENTION_MODEL_TYPES
+            and bool(fields.get("attn_output_gate", True)),
         )
 
     @property
     def layers(self) -> int:
         return len(self.windows)
 
+    def is_linear(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` is a Gated DeltaNet layer (no attention pairs)."""
+        return self.linear is not None and layer in self.linear.layers
+
     @property
     def body_per_token(self) -> int:
         """Forward FLOPs of one token through every layer's projections and MLP (a MoE layer's router and the
-        token's experts)."""
+        token's experts; a Gated DeltaNet layer's projections, convolution and recurrence)."""
         attention_width = self.heads * self.head_dim
         kv_width = self.kv_heads * self.head_dim
-        projections = 2 * self.hidden * (2 * attention_width + 2 * kv_width) * self.layers
+        query_width = attention_width * (2 if self.attention_gate else 1)
+        linear = sum(self.is_linear(layer) for layer in range(self.layers))
+        attention = 2 * self.hidden * (query_width + attention_width + 2 * kv_width) * (self.layers - linear)
+        if linear:
+            attention += linear * (2 * self.linear.weights(self.hidden) + self.linear.recurrence_flops_per_token)
         routed = self.routed or ((self.intermediate, 0),) * self.layers
-        return projections + sum(2 * self.hidden * (3 * width + experts) for width, experts in routed)
+        return attention + sum(2 * self.hidden * (3 * width + experts) for width, experts in routed)
 
     @property
     def attention_per_pair(self) -> int:
@@ -152,13 +174,15 @@ def visible_pairs(start: int, queries: int, window: int | None = None) -> int:
 
 
 def forward_flops(shape: ModelShape, *, tokens: int, attention_pairs: Sequence[int], scored_tokens: int) -> Flops:
-    """Forward FLOPs of ``tokens`` through the body, ``attention_pairs[layer]`` (query, key) pairs per layer, and
-    the head over ``scored_tokens``."""
+    """Forward FLOPs of ``tokens`` through the body, ``attention_pairs[layer]`` (query, key) pairs per attention
+    layer, and the head over ``scored_tokens``."""
     if len(attention_pairs) != shape.layers:
         raise ValueError(f"attention_pairs: one count per layer ({shape.layers}), got {len(attention_pairs)}")
     return Flops(
         body=tokens * shape.body_per_token,
-        attention=sum(attention_pairs) * shape.attention_per_pair,
+        # A hybrid's Gated DeltaNet layers attend over no pairs, whatever the caller counted for them.
+        attention=sum(n for layer, n in enumerate(attention_pairs) if not shape.is_linear(layer))
+        * shape.attention_per_pair,
         head=scored_tokens * shape.head_per_token,
     )
 
@@ -228,7 +252,10 @@ def dense_flops(shape: ModelShape, workload: Workload, *, train: bool) -> Flops:
     """The dense method's work on real tokens: every ``[prompt | completion]`` row through the body with causal
     attention, the head over the completion tokens."""
     rows = workload.rows()
-    pairs = [sum(visible_pairs(0, p + c, window) for p, c in rows) for window in shape.windows]
+    pairs = [
+        0 if shape.is_linear(layer) else sum(visible_pairs(0, p + c, window) for p, c in rows)
+        for layer, window in enumerate(shape.windows)
+    ]
     forward = forward_flops(
         shape, tokens=workload.dense_tokens, attention_pairs=pairs, scored_tokens=workload.completion_tokens
     )
@@ -239,9 +266,11 @@ def shared_floor_flops(shape: ModelShape, workload: Workload, *, train: bool) ->
     """The least work of the shared path: each prompt through the body once, every completion token attending over
     its prompt and its own earlier tokens, the head over the completion tokens."""
     pairs = [
-        sum(visible_pairs(0, p, window) for p in workload.prompt_lengths)
+        0
+        if shape.is_linear(layer)
+        else sum(visible_pairs(0, p, window) for p in workload.prompt_lengths)
         + sum(visible_pairs(p, c, window) for p, c in workload.rows())
-        for window in shape.windows
+        for layer, window in enumerate(shape.windows)
     ]
     forward = forward_flops(
         shape, tokens=workload.shared_tokens, attention_pairs=pairs, scored_tokens=workload.completion_tokens

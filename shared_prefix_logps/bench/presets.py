@@ -2,6 +2,19 @@
 
 The named presets mirror the shapes of real checkpoints (DESIGN.md); ``tiny`` is a small Qwen2-style model that
 runs anywhere in seconds. :func:`build_model` also builds the shape of a user's ``config.json``.
+
+Linear-attention hybrids, from the text configs of the published ``config.json`` files (every fourth layer gated
+attention, the others Gated DeltaNet with a 4-tap convolution; 16 key heads and 32 value heads of 128 in the
+Gated DeltaNet layers; untied embeddings):
+
+- ``qwen3.5-9b`` (Qwen/Qwen3.5-9B, dense): hidden 4096, 32 layers, 16 attention heads, 4 KV heads, head dim 256,
+  MLP 12288, vocabulary 248320.
+- ``qwen3.5-35b-a3b`` (Qwen/Qwen3.5-35B-A3B, MoE): hidden 2048, 40 layers, 16 heads, 2 KV heads, head dim 256, 256
+  experts of 512, 8 per token, a shared expert of 512, vocabulary 248320. Every layer is routed: its config has no
+  dense MLP width, the preset's ``mlp`` (512) is unused by the layers.
+- ``qwen3-next-80b-a3b`` (Qwen/Qwen3-Next-80B-A3B-Instruct): hidden 2048, 48 layers, 16 heads, 2 KV heads, head dim
+  256, 512 experts of 512, 10 per token, a shared expert of 512, vocabulary 151936. Every layer is routed (the
+  config's ``intermediate_size`` 5120 is unused by the layers).
 """
 
 from __future__ import annotations
@@ -27,6 +40,16 @@ class Preset:
     extra: tuple = ()
 
 
+#: The Gated DeltaNet sizes the Qwen3.5 and Qwen3-Next configs share (the layer pattern comes from the configs'
+#: default ``full_attention_interval`` of 4, so ``--layers`` keeps it).
+_GATED_DELTANET = (
+    ("linear_num_key_heads", 16),
+    ("linear_num_value_heads", 32),
+    ("linear_key_head_dim", 128),
+    ("linear_value_head_dim", 128),
+    ("linear_conv_kernel_dim", 4),
+)
+
 PRESETS = {
     "tiny": Preset("qwen2", 256, 4, 8, 2, 32, 688, 8192, True),
     "qwen2.5-0.5b": Preset("qwen2", 896, 24, 14, 2, 64, 4864, 151936, True),
@@ -47,6 +70,43 @@ PRESETS = {
         True,
         (("attn_logit_softcapping", 50.0), ("final_logit_softcapping", 30.0), ("sliding_window", 4096)),
     ),
+    "qwen3.5-9b": Preset("qwen3_5_text", 4096, 32, 16, 4, 256, 12288, 248320, False, _GATED_DELTANET),
+    "qwen3.5-35b-a3b": Preset(
+        "qwen3_5_moe_text",
+        2048,
+        40,
+        16,
+        2,
+        256,
+        512,
+        248320,
+        False,
+        (
+            *_GATED_DELTANET,
+            ("num_experts", 256),
+            ("num_experts_per_tok", 8),
+            ("moe_intermediate_size", 512),
+            ("shared_expert_intermediate_size", 512),
+        ),
+    ),
+    "qwen3-next-80b-a3b": Preset(
+        "qwen3_next",
+        2048,
+        48,
+        16,
+        2,
+        256,
+        5120,
+        151936,
+        False,
+        (
+            *_GATED_DELTANET,
+            ("num_experts", 512),
+            ("num_experts_per_tok", 10),
+            ("moe_intermediate_size", 512),
+            ("shared_expert_intermediate_size", 512),
+        ),
+    ),
 }
 
 
@@ -55,6 +115,9 @@ _FAMILIES = {
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "qwen3_5_text": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
 }
 
 

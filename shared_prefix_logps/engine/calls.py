@@ -13,6 +13,7 @@ from ..model import PreparedModel
 from ..model.compiled import graph_breaks_allowed
 from ..model.installation import force_non_reentrant_checkpointing
 from ..moe_router import token_sums
+from ..recurrent import RECURRENT_CALL_KWARG, RecurrentCall
 from .node_calls import NodeCall
 
 
@@ -27,16 +28,25 @@ def forward_call(
     router_top_k: int | None = None,
     weight_grads=None,
     keep_logits_bytes: int = 0,
+    recurrent: RecurrentCall | None = None,
 ) -> NodeContext:
     """Forward ``call`` (on the model's device) attending over ``sources`` (the prefix states of ``call.sources``).
 
     ``layout``: ``expand``, ``flex`` or ``flash``; with ``router_top_k`` the model also returns its router logits and
     ``context.router`` sums them per node of the call; ``weight_grads``, ``keep_logits_bytes``: see
-    :class:`NodeContext`. Returns the context
-    with ``states`` (attention module -> (key, value), each (kv_heads, T, head_dim)) and ``logps`` / ``entropy`` ((p,)
-    float32, one per pair of ``call.head_pairs``), all differentiable when grad is enabled and leaving through the
-    model's output (see ``forward/routing.py``).
+    :class:`NodeContext`; ``recurrent``: a linear-attention hybrid's recurrent part of the call
+    (``engine/recurrent_states.py``), required when the model has recurrent layers. Returns the context
+    with ``states`` (attention module -> (key, value), each (kv_heads, T, head_dim)), ``ends`` (recurrent layer -> its
+    nodes' end states, where some node has children) and ``logps`` / ``entropy`` ((p,) float32, one per pair of
+    ``call.head_pairs``), all differentiable when grad is enabled and leaving through the model's output (see
+    ``forward/routing.py``).
     """
+    if (recurrent is None) != (prepared.recurrent is None):
+        raise ValueError(
+            f"{type(prepared.causal_lm).__name__}: a node call of a model "
+            f"{'with' if prepared.recurrent is not None else 'without'} recurrent layers needs "
+            f"{'a' if prepared.recurrent is not None else 'no'} recurrent part"
+        )
     context = NodeContext(
         call=call,
         sources=sources,
@@ -49,6 +59,8 @@ def forward_call(
         keep_logits_bytes=keep_logits_bytes,
     )
     extra = {"output_router_logits": True} if router_top_k is not None else {}
+    if recurrent is not None:
+        extra[RECURRENT_CALL_KWARG] = recurrent
     with (
         force_non_reentrant_checkpointing(prepared.causal_lm),
         activated(context),
@@ -75,10 +87,14 @@ def forward_call(
         # its keys/values: its masks would stay alive for nothing.
         context.masks.clear()
     modules = [module for module, box in context.routes.items() if box is not None]
-    released = release(logits, [context.routes[module] for module in modules] + [context.route])
+    recurrent_boxes = [] if recurrent is None else _ran_every_recurrent_layer(prepared, recurrent).boxes()
+    released = release(logits, [context.routes[module] for module in modules] + recurrent_boxes + [context.route])
     context.states = {module: (released[2 * i], released[2 * i + 1]) for i, module in enumerate(modules)}
-    context.logps = released[2 * len(modules)]
-    context.entropy = released[2 * len(modules) + 1] if return_entropy else None
+    head = len(released) - (2 if return_entropy else 1)
+    if recurrent is not None:
+        context.ends = recurrent.receive(released[2 * len(modules) : head])
+    context.logps = released[head]
+    context.entropy = released[head + 1] if return_entropy else None
     if router_top_k is not None:
         valid = call.pack_valid
         owner = torch.arange(valid.shape[0], device=valid.device)[:, None].expand_as(valid)[valid]
@@ -86,6 +102,18 @@ def forward_call(
         router_logits = getattr(output, "router_logits", None)
         context.router = token_sums(router_logits, tokens, owner, valid.shape[0], router_top_k)
     return context
+
+
+def _ran_every_recurrent_layer(prepared: PreparedModel, recurrent: RecurrentCall) -> RecurrentCall:
+    """``recurrent`` once the forward is over, checked: every recurrent layer of the model ran under it (a layer that
+    did not would have run from no state, silently)."""
+    missing = [layer for layer in prepared.recurrent.layers if layer not in recurrent.ran]
+    if missing:
+        raise ValueError(
+            f"{type(prepared.causal_lm).__name__}: {len(missing)} of its {len(prepared.recurrent.layers)} recurrent "
+            f"layers ({type(missing[0]).__name__}) did not run through the shared-prefix path in a node call"
+        )
+    return recurrent
 
 
 def one_token_zero(prepared: PreparedModel) -> torch.Tensor:

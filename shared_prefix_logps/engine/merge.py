@@ -85,11 +85,60 @@ def merge_tiny_nodes(trie: PrefixTrie, min_saved_tokens: int = MERGE_BELOW_SAVED
     return assemble_trie(token_runs, starts, new_parents, row_end, trie.row_length)
 
 
-def rows_trie(rows, merge_below: int) -> PrefixTrie:
+def split_one_token_forks(trie: PrefixTrie) -> PrefixTrie:
+    """``trie`` without one-token nodes that start from a parent's state and hand theirs on: each such node (one
+    token, a parent, children) is merged into its children, its token put in front of each child's at the same
+    position; rows that end at it get a leaf of their own holding that token. Exact as the tiny-node merge is (every
+    row sees the same tokens at the same positions); the token is forwarded once per child (and leaf) instead of once.
+
+    Why: a linear-attention hybrid's recurrent layer runs a one-token segment from a state through its one-token
+    decode path, whose kernel may have no backward (``recurrent/served.py``); a node of two or more tokens, or a
+    one-token leaf (which keeps no end state, ``recurrent/layer.py``), takes the chunked path. A node whose parent is
+    merged this way receives its parent's token, so no merged node has a merged parent. Returns ``trie`` itself when
+    no node qualifies."""
+    num_nodes = trie.num_nodes
+    parents = trie.parent.tolist()
+    has_children = (trie.subtree_end > torch.arange(num_nodes) + 1).tolist()
+    lengths = trie.node_length.tolist()
+    merged = [False] * num_nodes
+    for node in range(num_nodes):  # pre-order: a parent is decided before its children
+        parent = parents[node]
+        merged[node] = lengths[node] == 1 and parent >= 0 and not merged[parent] and has_children[node]
+    if not any(merged):
+        return trie
+    ends_at = [[] for _ in range(num_nodes)]
+    for row, end in enumerate(trie.row_end.tolist()):
+        if end >= 0:
+            ends_at[end].append(row)
+    new_id = [-1] * num_nodes  # a kept node's new number; a merged node's leaf copy's, if rows end at it
+    token_runs, starts, new_parents = [], [], []
+    for node in range(num_nodes):
+        parent = parents[node]
+        if merged[node]:
+            if ends_at[node]:  # a leaf for the rows that end here, in the merged node's place among its siblings
+                new_id[node] = len(token_runs)
+                token_runs.append(_tokens(trie, node))
+                starts.append(int(trie.node_start[node]))
+                new_parents.append(new_id[parent])
+            continue
+        top = parent if parent >= 0 and merged[parent] else node
+        above = parents[top]
+        token_runs.append(torch.cat([_tokens(trie, top), _tokens(trie, node)]) if top != node else _tokens(trie, node))
+        starts.append(int(trie.node_start[top]))
+        new_parents.append(new_id[above] if above >= 0 else -1)
+        new_id[node] = len(token_runs) - 1
+    row_end = [new_id[int(end)] if end >= 0 else -1 for end in trie.row_end]
+    return assemble_trie(token_runs, starts, new_parents, row_end, trie.row_length)
+
+
+def rows_trie(rows, merge_below: int, *, one_token_forks: bool = True) -> PrefixTrie:
     """The trie the tree pass forwards for validated ``rows`` (:class:`~.inputs.TreeRows`): the rows' trie, with the
-    nodes that save fewer than ``merge_below`` tokens merged into their children (0: none)."""
+    nodes that save fewer than ``merge_below`` tokens merged into their children (0: none), and without
+    ``one_token_forks`` the one-token nodes between a parent and children merged into those children too
+    (:func:`split_one_token_forks`)."""
     trie = build_trie(rows.justified(), rows.lengths)
-    return merge_tiny_nodes(trie, merge_below) if merge_below > 0 else trie
+    trie = merge_tiny_nodes(trie, merge_below) if merge_below > 0 else trie
+    return trie if one_token_forks else split_one_token_forks(trie)
 
 
 def merge_threshold(merge_tiny_nodes: bool) -> int:

@@ -180,6 +180,7 @@ class CallPlanner:
         self.trie, self.pairs, self.layout = trie, pairs, layout
         self.node_call = torch.full((trie.num_nodes,), -1, dtype=torch.long)
         self.node_local = torch.full((trie.num_nodes,), -1, dtype=torch.long)  # its first token's index in its call
+        self.node_slot = torch.full((trie.num_nodes,), -1, dtype=torch.long)  # its index among its call's nodes
         self.call_nodes: list[torch.Tensor] = []
         self.call_sizes: list[int] = []
         # Pairs sorted by the node of their hidden token, so a call finds its pairs by ranges.
@@ -213,6 +214,7 @@ class CallPlanner:
         query_node, query_order = self._runs(nodes)
         self.node_call[nodes] = call_id
         self.node_local[nodes] = torch.cumsum(lengths, 0) - lengths
+        self.node_slot[nodes] = torch.arange(nodes.numel())
         self.call_nodes.append(nodes)
         self.call_sizes.append(count)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..inputs import GroupedBatch, TreeRows
+from ..model import PreparedModel
 from .merge import rows_trie
 from .node_calls import ScoredPairs, scored_pairs
 from .sharing import grouped_rows
@@ -69,15 +70,16 @@ class Plan:
         return self.ordered(self.depth_first_rows().split(rows_per_chunk))
 
 
-def grouped_plan(batch: GroupedBatch, *, deeper: bool, merge_below: int) -> Plan:
+def grouped_plan(batch: GroupedBatch, *, deeper: bool, merge_below: int, one_token_forks: bool = True) -> Plan:
     """The plan (without an order) of a grouped batch: its two-level trie, or with ``deeper`` the trie searched from its
-    rows ``[prompt | completion]`` with the tiny-node rule's ``merge_below``. Results are (rows, C)."""
+    rows ``[prompt | completion]`` with the tiny-node rule's ``merge_below`` (and ``one_token_forks``, see
+    :func:`one_token_forks`; the two-level trie has no node between a parent and children). Results are (rows, C)."""
     mask = batch.completion_mask
     row, column = mask.cpu().nonzero(as_tuple=True)
     target = batch.completion_ids.cpu()[row, column]
     prompt_length = batch.prompt_mask.sum(1).cpu()[batch.group_index.cpu()]
     if deeper:
-        trie = rows_trie(grouped_rows(batch), merge_below)
+        trie = rows_trie(grouped_rows(batch), merge_below, one_token_forks=one_token_forks)
     else:
         trie = grouped_trie(
             batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask, batch.group_index
@@ -85,13 +87,24 @@ def grouped_plan(batch: GroupedBatch, *, deeper: bool, merge_below: int) -> Plan
     return Plan(trie, scored_pairs(trie, row, prompt_length[row] + column, target), mask)
 
 
-def rows_plan(rows: TreeRows, merge_below: int) -> Plan:
+def rows_plan(rows: TreeRows, merge_below: int, *, one_token_forks: bool = True) -> Plan:
     """The plan (without an order) of the tree entry points' rows: their searched trie with the tiny-node rule's
-    ``merge_below`` (0: none). Results are (N, L)."""
-    trie = rows_trie(rows, merge_below)
+    ``merge_below`` (0: none), and without ``one_token_forks`` no one-token node between a parent and children
+    (:func:`one_token_forks`). Results are (N, L)."""
+    trie = rows_trie(rows, merge_below, one_token_forks=one_token_forks)
     row, column = rows.score_mask.cpu().nonzero(as_tuple=True)
     target = rows.input_ids.cpu()[row, column]
     return Plan(trie, scored_pairs(trie, row, column - rows.first_column.cpu()[row], target), rows.score_mask)
+
+
+def one_token_forks(prepared: PreparedModel) -> bool:
+    """Whether the plan may keep one-token nodes between a parent and children for ``prepared`` in the current grad
+    mode. A linear-attention hybrid runs such a node's recurrent layers from its parent's state through their
+    one-token decode path, which back-propagates into that state only where ``prepared.recurrent.one_token_backward``
+    says so; elsewhere, with gradients, the plan merges those nodes into their children
+    (:func:`~.merge.split_one_token_forks`)."""
+    recurrent = prepared.recurrent
+    return recurrent is None or recurrent.one_token_backward or not torch.is_grad_enabled()
 
 
 def generation_chunks(num_prompts: int, generations: int, per_chunk: int) -> list[torch.Tensor]:

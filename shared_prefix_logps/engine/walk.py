@@ -26,6 +26,7 @@ from ..output import LogpsOutput, result_zeros
 from .calls import forward_call, one_token_zero
 from .node_calls import CallPlanner
 from .plan import Plan
+from .recurrent_states import recurrent_call
 
 
 @dataclass(eq=False)
@@ -39,6 +40,8 @@ class _Call:
             from the graph, whose gradients accumulate in ``.grad``.
         states: attention module -> (key, value) of ``used``, what descendants' calls attend over.
         users: calls that attend over this one's states and have not back-propagated yet.
+        ends: recurrent layer -> its nodes' end states in ``used``, what the children's calls start from (empty for a
+            model without recurrent layers and for a call whose nodes have no children).
     """
 
     context: NodeContext
@@ -46,6 +49,7 @@ class _Call:
     used: list
     states: dict
     users: set = field(default_factory=set)
+    ends: dict = field(default_factory=dict)
 
     def result(self, index: int) -> torch.Tensor | None:
         """Item ``index`` of the call's head results in ``used``: 0 log-probs, 1 entropy, 2 router probabilities."""
@@ -54,7 +58,7 @@ class _Call:
 
     @property
     def slots(self) -> dict:
-        count = 2 * len(self.context.states)
+        count = 2 * len(self.context.states) + sum(len(end.tensors()) for end in self.context.ends.values())
         slots = {0: count}
         if self.context.entropy is not None:
             count += 1
@@ -65,9 +69,11 @@ class _Call:
 
 
 def _outputs(context: NodeContext) -> list[torch.Tensor]:
-    """What a call hands on, in a fixed order: every layer's key and value, its log-probs, then (when requested) its
-    entropy and its nodes' router probabilities."""
-    outputs = [tensor for pair in context.states.values() for tensor in pair] + [context.logps]
+    """What a call hands on, in a fixed order: every attention layer's key and value, every recurrent layer's end
+    states, its log-probs, then (when requested) its entropy and its nodes' router probabilities."""
+    outputs = [tensor for pair in context.states.values() for tensor in pair]
+    outputs += [tensor for end in context.ends.values() for tensor in end.tensors()]
+    outputs.append(context.logps)
     if context.entropy is not None:
         outputs.append(context.entropy)
     if context.router is not None:
@@ -202,17 +208,32 @@ class Walk:
             router_top_k=self.router_top_k,
             weight_grads=self.weight_grads,
             keep_logits_bytes=self.keep_logits_bytes,
+            recurrent=self._recurrent(nodes),
         )
         outputs = _outputs(context)
         used = [t.detach().requires_grad_(t.requires_grad) for t in outputs] if self.leaves else outputs
         states = {module: (used[2 * i], used[2 * i + 1]) for i, module in enumerate(context.states)}
-        self.calls[call_id] = _Call(context, outputs, used, states)
+        ends, position = {}, 2 * len(states)
+        for module, end in context.ends.items():
+            size = len(end.tensors())
+            ends[module] = end.from_tensors(used[position : position + size])
+            position += size
+        self.calls[call_id] = _Call(context, outputs, used, states, ends=ends)
         self.call_nodes[call_id] = nodes
         self.node_call[nodes] = call_id
         total = self.first_pair[-1] + self.head_counts[-1] if self.first_pair else 0
         self.first_pair.append(total)
         self.head_counts.append(call.head_pairs.numel())
         self.pair_position[call.head_pairs] = torch.arange(total, total + call.head_pairs.numel(), dtype=torch.int32)
+
+    def _recurrent(self, nodes: torch.Tensor):
+        """A hybrid's recurrent part of the call over ``nodes`` (each node from its parent's end state), or None."""
+        if self.prepared.recurrent is None:
+            return None
+        planner = self.planner
+        return recurrent_call(
+            self.plan.trie, nodes, planner.node_call, planner.node_slot, lambda call: self.calls[call].ends
+        )
 
     def _forward_placeholder(self) -> None:
         """The one-token forward that stands in for node calls when every row is empty, so that the chunks' losses

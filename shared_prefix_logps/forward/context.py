@@ -53,6 +53,10 @@ class NodeContext:
         finished: set once the forward has returned (later attention calls are checkpoint recomputations).
         router: when router statistics were requested, ``(counts, probs, tokens)`` of each of the call's nodes,
             (S, E), (S, E), (S,) float32 (see :mod:`~shared_prefix_logps.moe_router`).
+        ends: filled after the forward of a linear-attention hybrid's call whose nodes have children: recurrent
+            layer -> the call's nodes' end states (a :class:`~shared_prefix_logps.recurrent.RecurrentState`, one row
+            per node of ``call.nodes``), the prefix state of a recurrent layer; each child starts from its parent's
+            row (``engine/recurrent_states.py``).
     """
 
     call: object
@@ -72,6 +76,7 @@ class NodeContext:
     masks: dict = field(default_factory=dict)
     finished: bool = False
     router: tuple | None = None
+    ends: dict = field(default_factory=dict)
 
     def ancestor_states(self, module) -> list[tuple[torch.Tensor, ...]]:
         """``module``'s prefix state of every source call, in the order of ``call.sources``."""

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
+from ..recurrent.families import check_served, served_model_types
 
 #: Decoder-only families whose attention goes through transformers' AttentionInterface and whose head the library
 #: reproduces; each is covered by the test suite (tests/core/test_compute_logps.py,
@@ -97,10 +98,11 @@ def check_supported(model: nn.Module) -> nn.Module:
     causal_lm = unwrap_causal_lm(model)
     config = causal_lm.config
     model_type = getattr(config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if model_type not in SUPPORTED_MODEL_TYPES and not _served_hybrid(causal_lm):
+        supported = sorted(SUPPORTED_MODEL_TYPES | served_model_types())
         raise UnsupportedModelError(
             f"model type {model_type!r} ({type(causal_lm).__name__}) is not supported by shared-prefix log-probs; "
-            f"supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}"
+            f"supported: {', '.join(supported)}"
         )
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(f"model type {model_type!r} is an encoder-decoder model")
@@ -111,6 +113,23 @@ def check_supported(model: nn.Module) -> nn.Module:
             "the shared-prefix path needs causal attention"
         )
     return causal_lm
+
+
+def _served_hybrid(causal_lm: nn.Module) -> bool:
+    """Whether ``causal_lm`` is a linear-attention hybrid whose recurrent states the node calls fork
+    (``recurrent/families.py``); False for a family without recurrent layers. Raises
+    :class:`UnsupportedModelError` naming the reason for a hybrid that is not served, and for a served family's
+    vision-language model (its language model, loaded as a causal LM, is served)."""
+    if check_served(causal_lm) is None:
+        return False
+    name = type(causal_lm).__name__
+    if not name.endswith("ForCausalLM"):
+        raise UnsupportedModelError(
+            f"model type {causal_lm.config.model_type!r} ({name}) is a vision-language model: its position scheme is "
+            "not served; load its language model as a causal LM (AutoModelForCausalLM) to compute shared-prefix "
+            "log-probs"
+        )
+    return True
 
 
 def vocab_rows(module: nn.Module) -> int:

@@ -6,7 +6,8 @@
    and falls back to the model's own eager function without a node context (``installation``);
 2. swaps the lm_head's ``forward`` on the instance for a proxy (module hooks of FSDP/ZeRO still fire around it;
    ``forward/head_proxy.py``);
-3. checks, per model instance and again whenever the head, its hooks, its PEFT wrapping or the logit settings
+3. wraps a linear-attention hybrid's recurrent layers, so that node calls fork their states (``recurrent/``);
+4. checks, per model instance and again whenever the head, its hooks, its PEFT wrapping or the logit settings
    change, that the fused head reproduces the model's own logits (``head_check``).
 """
 
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from ..forward.head_proxy import install_head_proxy
+from ..recurrent.served import RecurrentPart, prepare_recurrent
 from .compiled import graph_breaks_allowed
 from .discovery import HeadSpec, check_supported, head_spec, rope_length_limit, vocab_rows
 from .head_check import head_signature, verify_head
@@ -40,6 +42,8 @@ class PreparedModel:
         device: device of the input embedding.
         rope_length_limit: longest row (padded prompt + completion width) the model's RoPE serves with fixed
             frequencies, or None when its frequencies never depend on the forward's length.
+        recurrent: a linear-attention hybrid's recurrent layers, wrapped so that node calls fork their states
+            (``recurrent/``), or None for a model without them.
     """
 
     outer: nn.Module
@@ -49,6 +53,7 @@ class PreparedModel:
     output_vocab_size: int
     device: torch.device
     rope_length_limit: int | None = None
+    recurrent: RecurrentPart | None = None
 
 
 def prepare_model(model: nn.Module) -> PreparedModel:
@@ -68,14 +73,17 @@ def prepare_model(model: nn.Module) -> PreparedModel:
     head = head_spec(causal_lm)
     install_attention(causal_lm)
     install_head_proxy(head.lm_head)
+    device = embeddings.weight.device
+    recurrent = prepare_recurrent(causal_lm, device)
     prepared = PreparedModel(
         outer=model,
         causal_lm=causal_lm,
         head=head,
         input_vocab_size=vocab_rows(embeddings),
         output_vocab_size=vocab_rows(head.lm_head),
-        device=embeddings.weight.device,
+        device=device,
         rope_length_limit=rope_length_limit(causal_lm),
+        recurrent=recurrent,
     )
     signature = head_signature(prepared)
     verified = causal_lm.__dict__.setdefault(_VERIFIED_ATTRIBUTE, set())

@@ -22,7 +22,26 @@ EXPERT_COUNT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "
 
 #: Mixture-of-experts families whose layout :func:`experts_from_config` knows: which layers route, the experts'
 #: width, shared experts and routers. Configs with expert counts of any other type are refused by name.
-MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
+MOE_MODEL_TYPES = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v3",
+    "glm4_moe",
+    "gpt_oss",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "qwen3_next",
+)
+
+#: Linear-attention hybrids whose Gated DeltaNet layers :class:`LinearAttention` sizes (the families the library
+#: forks recurrent states of): their configs' ``linear_attention`` layers are planned, their attention layers are
+#: gated (the query projection also yields a sigmoid gate on the attention output).
+LINEAR_ATTENTION_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+
+#: The chunk length of transformers' chunked Gated DeltaNet kernel (``torch_chunk_gated_delta_rule``'s default, also
+#: flash-linear-attention's): the recurrence's intra-chunk matmuls grow with it.
+GDN_CHUNK = 64
 
 #: Decoder-layer norms per family beyond the usual two (input and post-attention): Gemma2/3 and GLM4 norm before and
 #: after both blocks; Cohere's parallel block has one.
@@ -80,6 +99,69 @@ class LatentAttention:
 
 
 @dataclass(frozen=True)
+class LinearAttention:
+    """The Gated DeltaNet layers of a linear-attention hybrid (Qwen3.5, Qwen3-Next).
+
+    Attributes:
+        layers: indices of the decoder layers that are Gated DeltaNet (the others are attention layers).
+        key_heads, value_heads: the recurrence's key and value heads (keys repeated to the value heads);
+        key_dim, value_dim: their head sizes; conv_kernel: the short convolution's kernel.
+    """
+
+    layers: tuple[int, ...]
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_channels(self) -> int:
+        """Channels of the short convolution: the queries', keys' and values' projections."""
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    def weights(self, hidden: int) -> int:
+        """Weights of one layer's matmuls (2 FLOPs per token each): q/k/v, the output gate z, beta and the decay
+        projections in, the output projection out."""
+        value_width = self.value_heads * self.value_dim
+        return hidden * (self.conv_channels + value_width + 2 * self.value_heads) + value_width * hidden
+
+    def params(self, hidden: int) -> int:
+        """Parameters of one layer: :meth:`weights`, the depthwise convolution, the per-head decay ``A_log`` and
+        ``dt_bias``, the gated RMSNorm over each value head."""
+        return self.weights(hidden) + self.conv_channels * self.conv_kernel + 2 * self.value_heads + self.value_dim
+
+    @property
+    def recurrence_flops_per_token(self) -> int:
+        """Forward FLOPs of one token's recurrence: the matmuls of transformers' chunked kernel (chunks of
+        :data:`GDN_CHUNK` tokens, per value head), as ``FlopCounterMode`` counts them: the chunk's key-key and
+        query-key products (2 C dk each a token), its weights times the corrected values (2 C dv), its reads and
+        update of the dk x dv state (6 dk dv); and the depthwise convolution, 2 K per channel. The kernel's two
+        triangular solves (about C (dk + dv) a token) are not matmuls and are left out, as the counter does."""
+        k, v = self.key_dim, self.value_dim
+        per_head = 4 * GDN_CHUNK * k + 2 * GDN_CHUNK * v + 6 * k * v
+        return self.value_heads * per_head + 2 * self.conv_channels * self.conv_kernel
+
+    def state_bytes(self, itemsize: int) -> int:
+        """Bytes of one node's state in one layer: the float32 ``value_heads x key_dim x value_dim`` recurrence
+        state and the convolution's last ``conv_kernel - 1`` inputs in the model's dtype."""
+        return (
+            4 * self.value_heads * self.key_dim * self.value_dim
+            + self.conv_channels * (self.conv_kernel - 1) * itemsize
+        )
+
+    def saved_bytes_per_token(self, itemsize: int) -> int:
+        """Bytes one token saves for backward in one Gated DeltaNet layer (transformers' torch kernels, read from
+        their ops; approximate): the convolution's input and output and the activated q/k/v, the output gate, the
+        float32 queries, keys, values and per-head decays of the chunked kernel, its float32 output, and the gated
+        norm's input and output."""
+        value_width = self.value_heads * self.value_dim
+        keys = self.value_heads * self.key_dim  # keys and queries repeated to the value heads in the kernel
+        float32 = 2 * keys + 2 * value_width + 4 * self.value_heads
+        return (3 * self.conv_channels + 3 * value_width) * itemsize + 4 * float32
+
+
+@dataclass(frozen=True)
 class ModelDims:
     """Sizes of a Llama/Qwen-style decoder (gated MLP, RMSNorm, grouped-query or latent attention), dense or with
     routed experts.
@@ -96,6 +178,9 @@ class ModelDims:
         attention_extra: other parameters of one attention block: q/k norms, an output bias, attention sinks.
         experts: the routed experts (None: a dense model).
         latent: multi-head latent attention's ranks (None: q/k/v projections of their heads).
+        linear: a linear-attention hybrid's Gated DeltaNet layers (None: every layer is attention).
+        attention_gate: the query projection also yields a sigmoid gate on the attention output (Qwen3.5,
+            Qwen3-Next), doubling its width.
     """
 
     hidden: int
@@ -114,6 +199,24 @@ class ModelDims:
     attention_extra: int = 0
     experts: Experts | None = None
     latent: LatentAttention | None = None
+    linear: LinearAttention | None = None
+    attention_gate: bool = False
+
+    @property
+    def linear_layers(self) -> int:
+        """Decoder layers that are Gated DeltaNet (0 for a model of attention layers only)."""
+        return 0 if self.linear is None else len(self.linear.layers)
+
+    @property
+    def attention_layers(self) -> int:
+        """Decoder layers with attention: the layers whose keys/values a prefix hands its descendants."""
+        return self.layers - self.linear_layers
+
+    @property
+    def mixer_weights(self) -> float:
+        """Weights of one layer's token mixer (attention or Gated DeltaNet) matmuls, averaged over the layers."""
+        linear = 0 if self.linear is None else self.linear_layers * self.linear.weights(self.hidden)
+        return (self.attention_layers * self.attention_weights + linear) / self.layers
 
     @property
     def attention_weights(self) -> int:
@@ -127,7 +230,7 @@ class ModelDims:
                 self.head_dim - rope + self.v_head_dim
             )
             return query + keys_values + out
-        q = self.heads * self.head_dim
+        q = self.heads * self.head_dim * (2 if self.attention_gate else 1)
         kv = self.kv_heads * (self.head_dim + self.v_head_dim)
         return self.hidden * (q + kv) + out
 
@@ -140,6 +243,12 @@ class ModelDims:
         elif self.qkv_bias:
             params += self.heads * self.head_dim + self.kv_heads * (self.head_dim + self.v_head_dim)
         return params
+
+    @property
+    def mixer_params(self) -> int:
+        """Parameters of the largest token mixer (an attention block, or a Gated DeltaNet layer)."""
+        linear = 0 if self.linear is None else self.linear.params(self.hidden)
+        return max(self.attention_params if self.attention_layers else 0, linear)
 
     @property
     def moe_layers(self) -> int:
@@ -156,17 +265,20 @@ class ModelDims:
         mlp = self.dense_mlp_params if self.moe_layers < self.layers else 0
         if self.experts is not None:
             mlp = max(mlp, self.experts.mlp_params(self.hidden))
-        return self.attention_params + mlp + self.norms_per_layer * self.hidden
+        return self.mixer_params + mlp + self.norms_per_layer * self.hidden
 
     @property
     def params(self) -> int:
-        """All parameters: embedding, layers (every expert of every MoE layer), final norm and (untied) LM head."""
+        """All parameters: embedding, layers (every expert of every MoE layer; attention or Gated DeltaNet), final
+        norm and (untied) LM head."""
         embedding = self.vocab * self.hidden
-        per_layer = self.attention_params + self.norms_per_layer * self.hidden
+        linear = 0 if self.linear is None else self.linear_layers * self.linear.params(self.hidden)
+        mixers = self.attention_layers * self.attention_params + linear
+        per_layer = self.norms_per_layer * self.hidden
         mlp = (self.layers - self.moe_layers) * self.dense_mlp_params
         if self.experts is not None:
             mlp += self.moe_layers * self.experts.mlp_params(self.hidden)
-        return embedding * (1 if self.tied else 2) + self.layers * per_layer + mlp + self.hidden
+        return embedding * (1 if self.tied else 2) + self.layers * per_layer + mixers + mlp + self.hidden
 
     @property
     def mlp_width(self) -> float:
@@ -198,10 +310,12 @@ class ModelDims:
         if layers is None:
             return self
         _positive("layers", layers)
-        experts = self.experts
+        experts, linear = self.experts, self.linear
         if experts is not None:
             experts = replace(experts, layers=tuple(i for i in experts.layers if i < layers))
-        return replace(self, layers=layers, experts=experts)
+        if linear is not None:
+            linear = replace(linear, layers=tuple(i for i in linear.layers if i < layers))
+        return replace(self, layers=layers, experts=experts, linear=linear)
 
 
 def _positive(name: str, value) -> None:
@@ -226,16 +340,52 @@ def _field(config: dict, name: str, field: str, *, default=None, minimum: int = 
 
 
 def _refuse_unmodelled_layers(config: dict, name: str) -> None:
-    """Layers that are not softmax attention (linear attention, state-space mixers) are refused by name: the plan's
-    terms are those of attention layers, and the library refuses such models."""
+    """Layers that are neither softmax attention nor the Gated DeltaNet layers of :data:`LINEAR_ATTENTION_MODEL_TYPES`
+    (other linear attention, state-space mixers) are refused by name: the plan has no terms for them, and the library
+    refuses such models."""
     kinds = config.get("layer_types")
     if isinstance(kinds, (list, tuple)):
-        other = sorted({str(kind) for kind in kinds} - {"full_attention", "sliding_attention", "chunked_attention"})
+        known = {"full_attention", "sliding_attention", "chunked_attention"}
+        if config.get("model_type") in LINEAR_ATTENTION_MODEL_TYPES:
+            known.add("linear_attention")
+        other = sorted({str(kind) for kind in kinds} - known)
         if other:
             raise ValueError(
                 f"config {name!r} (model type {config.get('model_type')!r}) has {', '.join(other)} layers; plan models "
-                "softmax-attention decoders only (and the library refuses such models)"
+                "softmax-attention decoders and the Gated DeltaNet hybrids "
+                f"({', '.join(LINEAR_ATTENTION_MODEL_TYPES)}) only (and the library refuses such models)"
             )
+
+
+def linear_from_config(config: dict, name: str) -> LinearAttention | None:
+    """:class:`LinearAttention` of a Gated DeltaNet hybrid's config (None for any other): its ``linear_attention``
+    layers from ``layer_types``, or every ``full_attention_interval``-th layer attention (transformers' default, 4)
+    where the config lists none.
+
+    Raises:
+        ValueError: a missing or malformed linear-attention field, named.
+    """
+    if config.get("model_type") not in LINEAR_ATTENTION_MODEL_TYPES:
+        return None
+    layers = _field(config, name, "num_hidden_layers")
+    kinds = config.get("layer_types")
+    if not isinstance(kinds, (list, tuple)):
+        interval = _field(config, name, "full_attention_interval", default=4)
+        kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
+    if len(kinds) < layers:
+        raise ValueError(f"config {name!r}: layer_types lists {len(kinds)} layers for num_hidden_layers={layers}")
+    fields = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    missing = [field for field in fields if config.get(field) is None]
+    if missing:
+        raise ValueError(f"config {name!r}: a Gated DeltaNet hybrid's config needs {', '.join(missing)}")
+    return LinearAttention(
+        layers=tuple(i for i in range(layers) if kinds[i] == "linear_attention"),
+        key_heads=_field(config, name, "linear_num_key_heads"),
+        value_heads=_field(config, name, "linear_num_value_heads"),
+        key_dim=_field(config, name, "linear_key_head_dim"),
+        value_dim=_field(config, name, "linear_value_head_dim"),
+        conv_kernel=_field(config, name, "linear_conv_kernel_dim", default=4),
+    )
 
 
 def experts_from_config(config: dict, name: str) -> Experts | None:
@@ -270,7 +420,7 @@ def experts_from_config(config: dict, name: str) -> Experts | None:
     width = _field(config, name, "moe_intermediate_size")
     if width is None:
         raise ValueError(f"config {name!r}: a {model_type} config needs 'moe_intermediate_size'")
-    if model_type in ("qwen2_moe", "qwen3_moe"):
+    if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"):
         step = _field(config, name, "decoder_sparse_step", default=1)
         dense = set(config.get("mlp_only_layers") or ())
         routed = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
@@ -318,7 +468,8 @@ def dims_from_config(config: dict, *, name: str = "config") -> ModelDims:
     v_head_dim = _field(config, name, "v_head_dim") or head_dim
     qkv_bias = bool(config.get("attention_bias", config.get("qkv_bias", model_type in ("qwen2", "qwen2_moe"))))
     extra = 0
-    if model_type in ("qwen3", "qwen3_moe", "gemma3_text") or (model_type == "glm4_moe" and config.get("use_qk_norm")):
+    qk_norm_types = ("qwen3", "qwen3_moe", "gemma3_text", *LINEAR_ATTENTION_MODEL_TYPES)
+    if model_type in qk_norm_types or (model_type == "glm4_moe" and config.get("use_qk_norm")):
         extra += 2 * head_dim  # a norm over each query and each key head
     elif model_type == "olmo2":
         extra += (heads + kv_heads) * head_dim  # norms over the whole query and key projections
@@ -347,6 +498,8 @@ def dims_from_config(config: dict, *, name: str = "config") -> ModelDims:
         attention_extra=extra,
         experts=experts_from_config(config, name),
         latent=latent,
+        linear=linear_from_config(config, name),
+        attention_gate=model_type in LINEAR_ATTENTION_MODEL_TYPES and bool(config.get("attn_output_gate", True)),
     )
     return dims
 

@@ -10,6 +10,9 @@ per row. ``dense`` forwards each row's real prompt tokens (no prompt pads) and C
 rows of P + C; the shared path each prompt's and each completion's real tokens once. The head is 2 x H x V per scored
 token (the dense path computes C + 1 positions per row, TRL's CPU fallback every position).
 
+A linear-attention hybrid's Gated DeltaNet layers cost per token (their projections, convolution and chunked
+recurrence, ``dims.LinearAttention``); only its attention layers count (query, key) pairs.
+
 These are the FLOPs each method executes; ``bench.flops`` counts the real work a method must do (causal pairs, the
 real completion tokens), for the floors, a different quantity.
 """
@@ -37,9 +40,12 @@ class FlopCount:
 
 def body_flops_per_token(dims: ModelDims) -> int:
     """Forward FLOPs of one token through one layer's projections and MLP, averaged over the layers: in a
-    mixture-of-experts layer the router and the token's top-k experts (and the shared ones), not every expert."""
+    mixture-of-experts layer the router and the token's top-k experts (and the shared ones), not every expert; in a
+    linear-attention hybrid's Gated DeltaNet layers their projections, convolution and recurrence (linear in the
+    tokens, so counted per token like the projections)."""
     mlp = 3 * dims.hidden * dims.mlp_width + dims.hidden * dims.router_width
-    return round(2 * (dims.attention_weights + mlp))
+    recurrence = 0 if dims.linear is None else dims.linear_layers * dims.linear.recurrence_flops_per_token / dims.layers
+    return round(2 * (dims.mixer_weights + mlp) + recurrence)
 
 
 def attention_flops(dims: ModelDims, queries: int, keys: int) -> int:
@@ -80,15 +86,15 @@ def count_flops(method: str, dims: ModelDims, w: Workload, *, device: str = "cpu
     return FlopCount(
         {
             "body": factor * tokens * dims.layers * body_flops_per_token(dims),
-            "attention": factor * dims.layers * attention,
+            "attention": factor * dims.attention_layers * attention,
             "head": head_factor * head,
         }
     )
 
 
 def flop_floor(dims: ModelDims, w: Workload) -> int:
-    """Forward FLOPs of the real tokens alone, each prompt once: body and causal attention of B x (P + G x C)
-    tokens' worth, the head over the scored tokens; no method computes less."""
+    """Forward FLOPs of the real tokens alone, each prompt once: body and causal attention (in the attention layers)
+    of B x (P + G x C) tokens' worth, the head over the scored tokens; no method computes less."""
     prompt_tokens = w.prompt_tokens if w.prompt_tokens is not None else w.prompts * w.prompt_len
     tokens = prompt_tokens + w.scored
     mean_prompt = prompt_tokens / w.prompts
@@ -96,6 +102,6 @@ def flop_floor(dims: ModelDims, w: Workload) -> int:
     pairs = w.prompts * mean_prompt**2 / 2 + w.rows * mean_completion * (mean_prompt + mean_completion / 2)
     return int(
         tokens * dims.layers * body_flops_per_token(dims)
-        + dims.layers * attention_flops(dims, 1, 1) * pairs
+        + dims.attention_layers * attention_flops(dims, 1, 1) * pairs
         + 2 * w.scored * dims.hidden * dims.vocab
     )

@@ -45,6 +45,12 @@ mask, prompts of one real length together; ``trl`` R rows of P + C tokens with t
     float32 (V, H) weight-gradient accumulator; the plan's and the calls' integer tensors (about 20 int64 per
     token, and expand's index of every (row, prompt token))
 
+Linear-attention hybrids (Qwen3.5, Qwen3-Next; ``dims.LinearAttention``): only the attention layers hold keys/values
+(stored, gathered, repeated, their gradients); each Gated DeltaNet layer saves its own per-token terms instead of q,
+k, v and the attention output, and the shared methods keep each prompt's end state per Gated DeltaNet layer (float32
+recurrence state plus the convolution window: ``prompt recurrent states``), gathered into each completion row's
+initial state (``row initial states``), and in ``chunked`` their gradients. A state does not grow with the prompt.
+
 Not modelled: explicit attention scores (softcap or sinks models on expand, ``expand_memory.scores_bytes``), a
 second set of masks for models mixing windowed and full-attention layers, and RoPE tables.
 
@@ -94,14 +100,20 @@ class MemoryPlan:
 
 
 def layer_bytes_per_token(dims: ModelDims, s: int) -> int:
-    """Bytes one token saves for backward in one decoder layer (module docstring), averaged over the layers."""
+    """Bytes one token saves for backward in one decoder layer (module docstring), averaged over the layers (a
+    hybrid's Gated DeltaNet layers save ``LinearAttention.saved_bytes_per_token`` in place of q, k, v and the
+    attention output)."""
     norms = 2 * (8 * dims.hidden + 4)
     # A float32 residual is what the norm's float32 upcast aliases (and saves); a half-precision one is upcast
     # into a copy (counted in the norms) and saved by nothing.
     residuals = 2 * dims.hidden * s if s == 4 else 0
     qkv = (dims.heads * dims.head_dim + dims.kv_heads * (dims.head_dim + dims.v_head_dim)) * s
     attention_out = dims.heads * dims.v_head_dim * s + 4 * dims.heads
-    return round(norms + residuals + qkv + attention_out + 4 * dims.mlp_width * s + _routing_bytes_per_token(dims, s))
+    mixer = qkv + attention_out
+    if dims.linear is not None:
+        linear = dims.linear.saved_bytes_per_token(s)
+        mixer = (dims.attention_layers * mixer + dims.linear_layers * linear) / dims.layers
+    return round(norms + residuals + mixer + 4 * dims.mlp_width * s + _routing_bytes_per_token(dims, s))
 
 
 def _routing_bytes_per_token(dims: ModelDims, s: int) -> float:
@@ -138,11 +150,12 @@ class _Moments:
 
 
 def _activations(dims: ModelDims, w: Workload, tokens: int, *, extra_per_layer: int = 0) -> int:
-    """Saved activations of ``tokens`` tokens through every layer (``extra_per_layer`` bytes added per layer)."""
+    """Saved activations of ``tokens`` tokens through every layer (``extra_per_layer`` bytes of attention added per
+    attention layer)."""
     s = w.itemsize
     if w.gradient_checkpointing:
         return tokens * dims.hidden * s * dims.layers
-    return (tokens * layer_bytes_per_token(dims, s) + extra_per_layer) * dims.layers
+    return tokens * layer_bytes_per_token(dims, s) * dims.layers + extra_per_layer * dims.attention_layers
 
 
 def _recompute(dims: ModelDims, w: Workload, tokens: int, extra_per_layer: int = 0) -> int:
@@ -439,7 +452,14 @@ def _shared(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _Momen
     gathered = {name: extra[name] for name in ("gathered K/V (one layer)", "repeated K/V (one layer)")}
     prompt_repeated = extra["prompt repeated K/V (one layer)"]
     packed = {"packed K/V (one layer)": _packed_kv_bytes(dims, w, prompt_tokens, row_tokens) if method == "flex" else 0}
-    stored = {"stored prompt K/V": prompt_tokens * kv_per_token * dims.layers}  # what the completions attend over
+    # What the completions attend over (attention layers) and start from (a hybrid's Gated DeltaNet layers: each
+    # prompt's end state, gathered per row into the completions' initial states).
+    states = 0 if dims.linear is None else dims.linear_layers * dims.linear.state_bytes(s)
+    stored = {
+        "stored prompt K/V": prompt_tokens * kv_per_token * dims.attention_layers,
+        "prompt recurrent states": prompts * states,
+        "row initial states": rows * states,
+    }
     # The plan's and the calls' integer tensors: about 20 int64 per token (the trie, the scored pairs, where results
     # go, the calls' packing), and expand's index of every (row, ancestor token).
     book = {"plan and call indices": (prompt_tokens + row_tokens) * 160 + (rows * p * 9 if method != "flex" else 0)}
@@ -477,7 +497,9 @@ def _shared(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _Momen
         "completion activations": row_acts + row_tokens * final_norm_bytes_per_token(dims, s),
         # The prompts' SDPA saves the repeated keys/values it was given, in every layer (one recomputed layer at a
         # time under gradient checkpointing, after the completions' backward).
-        "prompt repeated K/V (saved)": 0 if w.gradient_checkpointing else prompt_repeated * dims.layers,
+        "prompt repeated K/V (saved)": 0 if w.gradient_checkpointing else prompt_repeated * dims.attention_layers,
+        "prompt recurrent states": stored["prompt recurrent states"],
+        "row initial states": stored["row initial states"],
         **masks,
         **book,
     }
@@ -485,7 +507,8 @@ def _shared(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _Momen
     keep = method == "chunked" and keeps_logits(dims, w, engine, scored)
     buffers = _weight_grad_buffers(dims, w, engine) if method == "chunked" else 0
     if method == "chunked":
-        acts["prompt K/V grads"] = prompt_tokens * kv_per_token * dims.layers
+        acts["prompt K/V grads"] = prompt_tokens * kv_per_token * dims.attention_layers
+        acts["prompt recurrent state grads"] = prompts * states
         acts["head and embedding grad buffers (fp32)"] = buffers
         if rows < w.rows and engine.device == "cpu":
             # From the second chunk on, every parameter's .grad holds the earlier chunks' sum (the head's and the

@@ -43,7 +43,9 @@ Known limits (see :mod:`.families` for each family):
   backward, and Mamba2's ``selective_state_update`` overwrites the state it read, so under gradients such a node must
   not start from a state that needs its gradient. A call of leaves (``RecurrentCall(..., keep_ends=False)``, e.g. the
   completions of one-level sharing) avoids it: its one-token nodes run as two copies of their token through the
-  chunked path. A one-token *inner* node has to be merged into its children (the tiny-node rule) on those kernels.
+  chunked path (per node: a node without children does so in any call). A one-token node between a parent and
+  children is merged into its children by the engine's plan where the decode path cannot back-propagate
+  (:class:`~.served.RecurrentPart`, ``engine/merge.py``'s ``split_one_token_forks``).
 - One layer call per distinct node length: the packed ``cu_seqlens`` layout of flash-linear-attention (one call for
   every node) is not used yet; transformers' torch fallbacks ignore ``cu_seqlens``, so this module never passes it.
 """

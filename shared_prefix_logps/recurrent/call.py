@@ -39,9 +39,12 @@ class RecurrentCall:
     Attributes:
         spans: where each node's tokens sit in the layers' input (the same for every layer).
         initial: recurrent layer -> the nodes' initial states (one row per node); empty when every node starts a row.
-        keep_ends: False when no node of the call has children: no end state is recorded, and one-token nodes avoid
-            the layers' one-token decode path (see :func:`~.layer.run_from_states`).
-        ran: the recurrent layers that ran in this forward (a layer object met twice is refused).
+        keep_ends: whether the nodes hand their end states on (they have children): one bool for every node, or
+            (N,) bool per node (see :func:`~.layer.run_from_states`). With no node keeping one, no end state is
+            recorded, and one-token nodes avoid the layers' one-token decode path.
+        records: whether some node keeps its end state (the layers record and route end states).
+        ran: the recurrent layers that ran in this forward (a layer object met twice is refused: its end state, or
+            its place in the call, would be ambiguous).
         routes: recurrent layer -> the RouteBox its end state rides on (filled during the forward).
         layouts: recurrent layer -> its end state as attached (the layout :meth:`release` rebuilds).
         ends: recurrent layer -> the nodes' end states, set by :meth:`release`.
@@ -49,11 +52,16 @@ class RecurrentCall:
     """
 
     def __init__(
-        self, spans: NodeSpans, initial: Mapping[nn.Module, RecurrentState] | None = None, *, keep_ends: bool = True
+        self,
+        spans: NodeSpans,
+        initial: Mapping[nn.Module, RecurrentState] | None = None,
+        *,
+        keep_ends: bool | torch.Tensor = True,
     ):
         self.spans = spans
         self.initial = dict(initial or {})
         self.keep_ends = keep_ends
+        self.records = keep_ends if isinstance(keep_ends, bool) else bool(keep_ends.any())
         self.ran: set[nn.Module] = set()
         self.routes: dict[nn.Module, RouteBox] = {}
         self.layouts: dict[nn.Module, RecurrentState] = {}
@@ -75,14 +83,24 @@ class RecurrentCall:
     def release(self, output: torch.Tensor) -> dict[nn.Module, RecurrentState]:
         """After the forward: each recurrent layer's end states, their gradient routed through ``output`` (a tensor
         the outermost module returned). Sets :attr:`ends` and :attr:`finished`."""
-        modules = list(self.routes)
-        released = release(output, [self.routes[module] for module in modules])
+        return self.receive(release(output, self.boxes()))
+
+    def boxes(self) -> list[RouteBox]:
+        """The RouteBoxes the end states ride on, in layer order: for a caller that releases them together with
+        other results from the same output (then :meth:`receive` what came out of them)."""
+        return [self.routes[module] for module in self.routes]
+
+    def receive(self, released: list[torch.Tensor]) -> dict[nn.Module, RecurrentState]:
+        """Each recurrent layer's end states from ``released``, the tensors released from :meth:`boxes` in order.
+        Sets :attr:`ends` and :attr:`finished`."""
         position = 0
-        for module in modules:
+        for module in self.routes:
             layout = self.layouts[module]
             size = len(layout.tensors())
             self.ends[module] = layout.from_tensors(released[position : position + size])
             position += size
+        if position != len(released):
+            raise ValueError(f"received {len(released)} tensors for {position} end-state tensors")
         self.finished = True
         return self.ends
 
@@ -114,8 +132,14 @@ def _forking_forward(module: nn.Module, original, *args, **kwargs):
     call = kwargs.pop(RECURRENT_CALL_KWARG, None)
     if call is None:
         return original(*args, **kwargs)
-    hidden_states = args[0] if args else kwargs["hidden_states"]
-    if call.keep_ends and not call.finished:
+    return _forked_forward(module, original, call, args[0] if args else kwargs["hidden_states"])
+
+
+# Eager under torch.compile, as the attention and head of a node call are: the call's spans, states and routes change
+# with every call (a traced graph would freeze the first call's), and the layer runs once per node length.
+@torch.compiler.disable
+def _forked_forward(module: nn.Module, original, call: RecurrentCall, hidden_states: torch.Tensor) -> torch.Tensor:
+    if not call.finished:
         if module in call.ran:
             raise ValueError(
                 f"recurrent layer {type(module).__name__} ran twice in one forward (the same layer object appears more "
@@ -127,7 +151,7 @@ def _forking_forward(module: nn.Module, original, *args, **kwargs):
     output, end = run_from_states(
         module, hidden_states, call.spans, call.initial_state(module), forward=original, keep_ends=call.keep_ends
     )
-    if call.finished or not call.keep_ends:
+    if call.finished or not call.records:
         # Nothing to hand on (a call of leaves), or an activation-checkpoint recomputation in backward (the end
         # states are already in the graph).
         return output

@@ -201,6 +201,11 @@ def family_verdict(config) -> tuple[str, FamilyVerdict] | None:
     return None
 
 
+def served_model_types() -> frozenset[str]:
+    """The model types whose recurrent states this package forks (with transformers >= :data:`MIN_TRANSFORMERS`)."""
+    return frozenset(model_type for model_type, verdict in VERDICTS.items() if verdict.served)
+
+
 def check_served(causal_lm: nn.Module) -> FamilyVerdict | None:
     """The verdict of ``causal_lm``'s family if state forking serves it; None for a family without recurrent
     layers. Raises :class:`UnsupportedModelError` naming the model type and the reason otherwise."""

@@ -46,7 +46,7 @@ def run_from_states(
     initial: RecurrentState | None = None,
     *,
     forward: Callable | None = None,
-    keep_ends: bool = True,
+    keep_ends: bool | torch.Tensor = True,
 ) -> tuple[torch.Tensor, RecurrentState | None]:
     """Run recurrent layer ``mixer`` over each node's tokens, node ``n`` starting from row ``n`` of ``initial``.
 
@@ -62,15 +62,19 @@ def run_from_states(
         spans: where each of the N nodes' tokens sit in ``hidden_states``.
         initial: the N nodes' initial states (each child's parent's end state, :meth:`RecurrentState.select`);
             None when every node starts a row (zero rows of a given state are equivalent).
-        keep_ends: False when no node has children (leaves): the end states are not returned, and a one-token node
-            that starts from a state runs as two copies of its token, so the layer's chunked path runs instead of
-            its one-token decode path (flash-linear-attention's ``fused_recurrent`` kernel has no backward, Mamba2's
-            ``selective_state_update`` overwrites the state it read); the first copy's output is the token's own.
+        keep_ends: whether each node hands its end state on (it has children): one bool for every node, or (N,) bool
+            per node. A one-token node that keeps no end state and starts from a state runs as two copies of its
+            token, so the layer's chunked path runs instead of its one-token decode path (flash-linear-attention's
+            ``fused_recurrent`` kernel has no backward, Mamba2's ``selective_state_update`` overwrites the state it
+            read); the first copy's output is the token's own. A one-token node that keeps its end state from a
+            state takes the decode path (the caller decides where that back-propagates, see
+            :class:`~.served.RecurrentPart`).
 
     Returns:
         (output, end): output (rows, columns, out_hidden) in the layer's output dtype, zero outside every span;
-        end: the N nodes' states after their last token (None unless ``keep_ends``). Both differentiable with
-        respect to the layer's parameters, ``hidden_states`` and ``initial``.
+        end: the N nodes' states after their last token, None when no node keeps its end state; the rows of nodes
+        that keep none hold their state where they ran as themselves and zeros where they ran as two copies. Both
+        differentiable with respect to the layer's parameters, ``hidden_states`` and ``initial``.
     """
     forward = mixer.forward if forward is None else forward
     argument = cache_argument(forward)
@@ -84,38 +88,53 @@ def run_from_states(
         output = forward(hidden, **{argument: cache})
         return output, layer.end_state()
 
-    widen_single = not keep_ends and initial is not None
-    if spans.covers_rows(rows, columns) and not (widen_single and columns == 1):
+    keeps = _per_node(keep_ends, spans.nodes)
+    records = bool(keeps.any())
+    # One-token nodes from a state that hand nothing on: two copies of their token (see keep_ends).
+    widened = (~keeps) & (spans.length == 1) if initial is not None else torch.zeros_like(keeps)
+    if spans.covers_rows(rows, columns) and not bool(widened.any()):
         output, end = segment(hidden_states, initial)
-        return output, end if keep_ends else None
+        return output, end if records else None
 
     device = hidden_states.device
     row, start, length = spans.row, spans.start, spans.length
     order, rows_written, columns_written, values, ends = [], [], [], [], []
-    for size in torch.unique(length).tolist():
-        nodes = (length == size).nonzero().flatten()
+    # One layer call per (length, widened) group of nodes.
+    group_key = length * 2 + widened.long()
+    for key in torch.unique(group_key).tolist():
+        size, widen = key // 2, bool(key % 2)
+        nodes = (group_key == key).nonzero().flatten()
         node_rows = row[nodes].to(device)[:, None]
         node_columns = (start[nodes][:, None] + torch.arange(size)).to(device)
-        # A one-token leaf from a state: two copies of the token (see keep_ends); only the first one's output is used.
-        read_columns = node_columns.expand(-1, 2) if size == 1 and widen_single else node_columns
+        read_columns = node_columns.expand(-1, 2) if widen else node_columns
         output, end = segment(
             hidden_states[node_rows, read_columns], None if initial is None else initial.select(nodes)
         )
-        output = output[:, :size]
+        output = output[:, :size]  # a widened node's first copy
         order.append(nodes)
         rows_written.append(node_rows.expand(-1, size).reshape(-1))
         columns_written.append(node_columns.reshape(-1))
         values.append(output.reshape(-1, output.shape[-1]))
-        ends.append(end)
+        ends.append(end.zeros(nodes.numel()) if widen else end)
     values = torch.cat(values)
     output = values.new_zeros((rows, columns, values.shape[-1])).index_put(
         (torch.cat(rows_written), torch.cat(columns_written)), values
     )
-    if not keep_ends:
+    if not records:
         return output, None
     # Back from length groups to node order.
     inverse = torch.argsort(torch.cat(order))
     return output, RecurrentState.cat(ends).select(inverse)
+
+
+def _per_node(keep_ends: bool | torch.Tensor, nodes: int) -> torch.Tensor:
+    """``keep_ends`` as (nodes,) bool on the CPU."""
+    if isinstance(keep_ends, bool):
+        return torch.full((nodes,), keep_ends, dtype=torch.bool)
+    keeps = keep_ends.detach().to("cpu", torch.bool).reshape(-1)
+    if keeps.numel() != nodes:
+        raise ValueError(f"keep_ends holds {keeps.numel()} entries for {nodes} nodes")
+    return keeps
 
 
 def _check(spans: NodeSpans, initial: RecurrentState | None, rows: int, columns: int) -> None:

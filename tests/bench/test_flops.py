@@ -139,3 +139,27 @@ def test_moe_body_counts_the_routed_experts():
     dense = ModelShape.from_config(build_model("qwen3", hidden=32).config)
     projections = dense.body_per_token - 2 * 2 * 32 * 3 * dense.intermediate
     assert shape.body_per_token == projections + 2 * 2 * 32 * (3 * 32 + 4)
+
+
+def test_a_hybrids_gated_deltanet_layers_match_the_flop_counter():
+    """A tiny Qwen3.5 (Gated DeltaNet, gated attention, Gated DeltaNet), rows of one recurrence chunk (64 tokens):
+    the projections, the chunked kernel's matmuls and the convolution per token, pairs only in the attention layer.
+    The counter also counts the convolution's K - 1 padded outputs per row (2 x channels x K each), which the model
+    leaves out."""
+    from support.hybrid_models import GDN_CHUNK_SIZE, build_hybrid
+
+    model = build_hybrid("qwen3_5_text")
+    model.set_attn_implementation("eager")
+    rows, length, keep = 2, GDN_CHUNK_SIZE, 7
+    ids = torch.randint(0, model.config.vocab_size, (rows, length), generator=torch.Generator().manual_seed(0))
+    shape = ModelShape.from_config(model.config)
+    assert [shape.is_linear(layer) for layer in range(shape.layers)] == [True, False, True]
+    expected = forward_flops(
+        shape, tokens=rows * length, attention_pairs=[rows * length * length] * shape.layers, scored_tokens=rows * keep
+    )
+    _, _, total = _counted(model, ids, keep, train=False)
+    linear = shape.linear
+    per_output = 2 * linear.conv_channels * linear.conv_kernel
+    padded_outputs = len(linear.layers) * rows * (linear.conv_kernel - 1) * per_output
+    assert total == expected.total + padded_outputs
+    assert expected.attention == rows * length * length * shape.attention_per_pair  # the attention layer's only

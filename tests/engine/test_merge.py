@@ -9,7 +9,12 @@ from support.trees import pad_rows, random_tree_rows
 
 from shared_prefix_logps import chunked_backward_tree, compute_logps_tree
 from shared_prefix_logps.bench.node_cost import fork_rows
-from shared_prefix_logps.engine.merge import MERGE_BELOW_SAVED_TOKENS, merge_decisions, merge_tiny_nodes
+from shared_prefix_logps.engine.merge import (
+    MERGE_BELOW_SAVED_TOKENS,
+    merge_decisions,
+    merge_tiny_nodes,
+    split_one_token_forks,
+)
 from shared_prefix_logps.engine.trie import build_trie
 
 PROMPT = list(range(1, 9))  # 8 tokens
@@ -177,3 +182,36 @@ def test_merge_tiny_nodes_must_be_a_bool():
         compute_logps_tree(model, ids, mask, score, merge_tiny_nodes=1)
     with pytest.raises(TypeError, match="merge_tiny_nodes must be True or False"):
         chunked_backward_tree(model, ids, mask, score, lambda out, rows: out.logps.sum(), merge_tiny_nodes="yes")
+
+
+def test_one_token_forks_are_split_into_their_children():
+    """A one-token node between a parent and children (what a hybrid's recurrent layers could only continue through
+    their one-token decode path) goes to the front of each child; a row that ends at it gets a leaf of its own; a
+    one-token top-level node, a one-token leaf and a child of a split node (now two tokens long) stay."""
+    rows = [
+        [1, 2, 3, 4, 5],  # [3] forks: one token below [1 2] above [4 5] and [6 7]
+        [1, 2, 3, 6, 7],
+        [1, 2, 3],  # a row ends at [3]
+        [1, 2, 8],  # [8]: a one-token leaf
+        [9, 10],  # [9]: a one-token top-level node above [10] and [11 12]
+        [9, 11, 12],
+        [1, 2, 3, 4, 5, 13, 14],  # [4 5] gets [3]; its children stay as they are
+        [1, 2, 3, 4, 5, 15],
+    ]
+    trie = build_trie(*_justify(rows))
+    assert sorted(_node_tokens(trie)) == sorted([[1, 2], [3], [4, 5], [6, 7], [8], [9], [10], [11, 12], [13, 14], [15]])
+    split = split_one_token_forks(trie)
+    _check_merged(split, rows)
+    assert sorted(_node_tokens(split)) == sorted(
+        [[1, 2], [3], [3, 4, 5], [3, 6, 7], [8], [9], [10], [11, 12], [13, 14], [15]]
+    )
+    tokens = _node_tokens(split)
+    leaf = tokens.index([3])
+    assert int(split.subtree_end[leaf]) == leaf + 1 and int(split.row_end[2]) == leaf
+    for node in range(split.num_nodes):
+        has_children = int(split.subtree_end[node]) > node + 1
+        assert not (split.node_length[node] == 1 and split.parent[node] >= 0 and has_children)
+    assert split_one_token_forks(split) is split  # nothing left to split
+    for seed in range(5):
+        random_rows = random_tree_rows(seed, depth=4, branching=3)
+        _check_merged(split_one_token_forks(build_trie(*_justify(random_rows))), random_rows)

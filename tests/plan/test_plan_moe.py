@@ -186,7 +186,10 @@ def test_layers_override_keeps_the_routed_layers():
     [
         ({"model_type": "olmoe", "num_experts": 64, "num_experts_per_tok": 8}, "olmoe"),
         ({"model_type": "my_moe", "n_routed_experts": 16, "num_experts_per_tok": 2}, "my_moe"),
-        ({"model_type": "qwen3_5_moe_text", "layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
+        ({"model_type": "lfm2", "layer_types": ["conv", "full_attention"]}, "conv"),
+        ({"model_type": "kimi_linear", "layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
+        # a Gated DeltaNet hybrid is planned, from its linear-attention sizes
+        ({"model_type": "qwen3_5_text", "layer_types": ["linear_attention", "full_attention"]}, "linear_num_key_heads"),
     ],
 )
 def test_configs_plan_cannot_model_are_refused_by_name(config, named):

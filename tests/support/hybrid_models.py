@@ -80,3 +80,49 @@ def build_hybrid(family: str, *, dtype=torch.float32, seed: int = 0, decay: str 
 def recurrent_layers(model) -> list:
     """The Gated DeltaNet layers of a tiny hybrid, in layer order."""
     return [layer.linear_attn for layer in model.model.layers if hasattr(layer, "linear_attn")]
+
+
+def hybrid_batch(generations: int, *, seed: int = 0):
+    """A grouped batch for the hybrids' entry points: (prompts (3, 11), prompt_mask, completions (3G, 7),
+    completion_mask). Prompts left-padded to true lengths 11, 1 (one token) and 3 (shorter than the convolution
+    kernel); completions right-padded to random lengths 1..7, one empty when G > 1."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([11, 1, CONV_KERNEL - 1])
+    width = int(lengths.max())
+    prompt_mask = torch.arange(width)[None, :] >= (width - lengths)[:, None]
+    prompts = torch.randint(3, VOCAB, (3, width), generator=gen).masked_fill(~prompt_mask, 0)
+    rows = 3 * generations
+    completion_lengths = torch.randint(1, 8, (rows,), generator=gen)
+    completion_lengths[0] = 7
+    if generations > 1:
+        completion_lengths[1] = 0
+    completion_mask = torch.arange(7)[None, :] < completion_lengths[:, None]
+    completions = torch.randint(3, VOCAB, (rows, 7), generator=gen).masked_fill(~completion_mask, 0)
+    return prompts, prompt_mask, completions, completion_mask
+
+
+def hybrid_tree_rows(seed: int = 0) -> list[list[int]]:
+    """Token-id rows of a trie of depth 3 whose forks fall inside and at the boundaries of the recurrence's chunks.
+
+    Roots of 60 and 64 tokens (a row also ends at the first). Below the first, middle nodes of 4 tokens (ending at
+    64) and 7, each with two leaves (one of 66 tokens, crossing the next chunk boundary); below the second, a
+    one-token middle node (starting at 64, a row ends at it) with leaves of 2 and 67 tokens, and a middle node of 5
+    with a one-token leaf. Siblings start with distinct tokens, so the trie is as described."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def run(n: int, first: int) -> list[int]:
+        return [first] + torch.randint(3, VOCAB, (n - 1,), generator=gen).tolist()
+
+    r0, r1 = run(60, 3), run(GDN_CHUNK_SIZE, 4)
+    m0, m1, m2, m3 = run(4, 5), run(7, 6), run(1, 7), run(5, 8)
+    return [
+        r0 + m0 + run(3, 9),
+        r0 + m0 + run(1, 10),
+        r0,
+        r0 + m1 + run(9, 11),
+        r0 + m1 + run(66, 12),
+        r1 + m2 + run(2, 13),
+        r1 + m2,
+        r1 + m2 + run(GDN_CHUNK_SIZE + 3, 14),
+        r1 + m3 + run(1, 15),
+    ]

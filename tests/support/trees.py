@@ -132,10 +132,10 @@ def spy_tree_calls(monkeypatch) -> list[int]:
     calls = []
     original = api.grouped_plan
 
-    def spy(batch, *, deeper, merge_below):
+    def spy(batch, *, deeper, merge_below, **options):
         if deeper:
             calls.append(int(batch.completion_ids.shape[0]))
-        return original(batch, deeper=deeper, merge_below=merge_below)
+        return original(batch, deeper=deeper, merge_below=merge_below, **options)
 
     monkeypatch.setattr(api, "grouped_plan", spy)
     monkeypatch.setattr(training, "grouped_plan", spy)

@@ -125,9 +125,17 @@ def _named_paths(page: Path) -> tuple[set[str], set[str]]:
     return files, folders
 
 
+def _ignored_locals() -> set[str]:
+    """Root paths ``.gitignore`` names (``/.whl/``): folders a user makes on their machine, absent from a clone."""
+    lines = (ROOT / ".gitignore").read_text().splitlines()
+    return {line.strip("/") for line in lines if line.startswith("/")}
+
+
 def _exists(name: str, *, folder: bool) -> bool:
     """A path named by the docs: from the repository root or from the package (``engine/sharing.py``); a bare file
-    name anywhere in the package or the repository's top folders."""
+    name anywhere in the package or the repository's top folders; or a local path the repository ignores."""
+    if name.strip("/") in _ignored_locals():
+        return True
     bases = [ROOT, ROOT / "shared_prefix_logps"]
     if any((base / name).is_dir() if folder else (base / name).is_file() for base in bases):
         return True
@@ -153,6 +161,8 @@ def test_path_check_can_fail(tmp_path):
     assert files == {"shared_prefix_logps/no_such_module.py", "engine/sharing.py"} and folders == {"tests/nowhere/"}
     assert not _exists("shared_prefix_logps/no_such_module.py", folder=False)
     assert _exists("engine/sharing.py", folder=False) and not _exists("tests/nowhere/", folder=True)
+    # An ignored local folder (made by the user, absent from a clean clone) counts; an ignored pattern does not.
+    assert _exists(".whl/", folder=True) and not _exists("__pycache__/nowhere/", folder=True)
 
 
 def test_readme_is_short():

@@ -95,7 +95,11 @@ class OneLevelLayout:
 @dataclass(frozen=True)
 class TreeCase:
     """A workload on a device, in the layouts the methods take; ``chunk_rows`` rows per backward chunk of the
-    chunked methods (``one_level``: ``chunk_rows / B`` generations of every prompt)."""
+    chunked methods (``one_level``: ``chunk_rows / B`` generations of every prompt).
+
+    Every method trains within the same activation budget: dense back-propagates once per ``dense_tokens`` tokens of
+    full rows, and a chunk of the chunked methods holds as many rows as fit in ``dense_tokens`` tokens of the longest
+    row (one at least), so no method is timed with more backward passes than the memory it is given requires."""
 
     workload: TreeWorkload
     one_level: OneLevelLayout
@@ -115,8 +119,10 @@ class TreeCase:
             workload.prompt_length,
         )
         layout = OneLevelLayout(*(t.to(device) for t in vars(layout).values()))
-        # As the GRPO benchmark's chunked method: a quarter of each prompt's generations per chunk.
-        chunk_rows = layout.prompts.shape[0] * max(1, layout.generations // 4)
+        longest = int(workload.attention_mask.sum(1).max())
+        prompts = layout.prompts.shape[0]
+        # Whole generations of every prompt per chunk (the one-level method's unit), as many as fit in the budget.
+        chunk_rows = prompts * max(1, min(layout.generations, dense_tokens // max(1, longest * prompts)))
         return cls(moved, layout, dense_tokens, chunk_rows)
 
     def dense_groups(self) -> list[tuple[torch.Tensor, int, torch.Tensor]]:

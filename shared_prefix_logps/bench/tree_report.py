@@ -83,7 +83,8 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
             "head on the distinct scored pairs), the most any method can be faster than dense at dense's efficiency. "
             "of "
             "floor: the measured speed-up over dense divided by the floor's. dense runs in micro-batches of rows "
-            "(see micro_batches in the JSON); one_level and tree train as chunked backwards of chunk_rows rows.",
+            "(see micro_batches in the JSON); one_level and tree train as chunked backwards of chunk_rows rows, as "
+            "many as fit in the dense micro-batch's tokens.",
             "",
             markdown_table(records),
             "",

@@ -145,31 +145,72 @@ class TreeCase:
 Step = Callable[[torch.nn.Module, TreeCase, bool], torch.Tensor]
 
 
+#: Config fields that change the logits after the head (softcaps, scales): a model with one of them set runs its own
+#: forward whole, head included, per micro-batch.
+_LOGIT_MODIFIERS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def _head_apart(model) -> bool:
+    """Whether the model's logits are its ``lm_head`` of its decoder's last hidden states, nothing else."""
+    config = model.config
+    return (
+        hasattr(model, "model")
+        and model.get_output_embeddings() is not None
+        and not any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_MODIFIERS)
+    )
+
+
 def _dense(model, case: TreeCase, train: bool) -> torch.Tensor:
-    """Every row through the model in micro-batches of rows of one length; with ``train`` one backward per
-    ``dense_tokens`` tokens of micro-batches (their losses summed), as a trainer accumulates within its memory: a
-    backward per micro-batch would build the full-vocabulary head and embedding weight gradients once per length."""
+    """Every row through the model in micro-batches of rows of one length, each micro-batch's decoder forward on its
+    own; per ``dense_tokens`` tokens of micro-batches, the head once on their scored positions and (with ``train``)
+    one backward, as a trainer accumulates within its memory. A head and backward per micro-batch would build the
+    full-vocabulary head and embedding weight gradients (545 MB at Qwen2.5's vocabulary) once per row length: work
+    that the FLOP floor does not count, and that made dense slower than its FLOPs on rows of many lengths."""
     w = case.workload
     out = torch.zeros(w.score_mask.shape, dtype=torch.float32, device=w.input_ids.device)
-    pending, pending_tokens = [], 0
+    head_apart = _head_apart(model)
+    pending, pending_tokens = [], 0  # (rows, columns, hidden states or log-probs, targets)
+
+    def flush():
+        if not pending:
+            return
+        if head_apart:
+            hidden = torch.cat([h.reshape(-1, h.shape[-1]) for _, _, h, _ in pending])
+            targets = torch.cat([t.reshape(-1) for _, _, _, t in pending])
+            logits = model.get_output_embeddings()(hidden).float()
+            flat = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).squeeze(-1)
+            parts = flat.split([t.numel() for _, _, _, t in pending])
+            logps = [part.view(t.shape) for part, (_, _, _, t) in zip(parts, pending)]
+        else:
+            logps = [lp for _, _, lp, _ in pending]
+        if train:
+            torch.stack([lp.sum() for lp in logps]).sum().backward()
+        for (rows, columns, _, _), lp in zip(pending, logps):
+            out[rows[:, None], columns[None, :]] = lp.detach()
+        pending.clear()
+
     for rows, length, columns in case.dense_groups():
         if columns.numel() == 0:
             continue  # nothing scored: no log-prob and no gradient
         ids = w.input_ids[rows, :length]
-        if train and pending and pending_tokens + ids.numel() > case.dense_tokens:
-            torch.stack(pending).sum().backward()
-            pending, pending_tokens = [], 0
+        if pending and pending_tokens + ids.numel() > case.dense_tokens:
+            with torch.set_grad_enabled(train):
+                flush()
+            pending_tokens = 0
+        targets = ids[:, columns]
         with torch.set_grad_enabled(train):
             # No attention mask: the rows are cut to their real tokens, so attention is plain causal. The head runs
-            # on the hidden states that predict the scored tokens only (logits_to_keep as indices).
-            logits = model(input_ids=ids, use_cache=False, logits_to_keep=columns - 1).logits.float()
-            logps = torch.log_softmax(logits, -1).gather(-1, ids[:, columns, None]).squeeze(-1)
-        if train:
-            pending.append(logps.sum())
-            pending_tokens += ids.numel()
-        out[rows[:, None], columns[None, :]] = logps.detach()
-    if pending:
-        torch.stack(pending).sum().backward()
+            # on the hidden states that predict the scored tokens only.
+            if head_apart:
+                hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state[:, columns - 1]
+                pending.append((rows, columns, hidden, targets))
+            else:
+                logits = model(input_ids=ids, use_cache=False, logits_to_keep=columns - 1).logits.float()
+                logps = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+                pending.append((rows, columns, logps, targets))
+        pending_tokens += ids.numel()
+    with torch.set_grad_enabled(train):
+        flush()
     return out
 
 

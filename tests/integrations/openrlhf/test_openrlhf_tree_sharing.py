@@ -65,7 +65,11 @@ def test_no_grad_log_probs_share_the_system_prompt(tree_calls, monkeypatch, layo
     """4 prompts x 3 samples starting with one system prompt: the tree pass serves the call, embeds fewer tokens than
     one-level sharing can (and than it does, by the 3 repeated system prompts), and the action log-probs and entropies
     are the unpatched Actor's (1e-5)."""
+    from shared_prefix_logps.engine import merge
     from shared_prefix_logps.engine import sharing as grouped
+
+    # The trie's own count: the tiny-node rule would merge each few-token prompt node into its responses.
+    monkeypatch.setattr(merge, "MERGE_BELOW_SAVED_TOKENS", 0)
 
     patched, reference = _pair(temperature=0.7)
     rows = openrlhf_rows(

@@ -93,8 +93,11 @@ def response(nested, td):
 def test_infer_batch_shares_the_system_prompt(engines, tree_calls, monkeypatch, remove_padding):
     """Old-policy log-probs and entropy: the tree pass serves both micro-batches, embeds fewer tokens than one-level
     sharing can (and than it does, by the repeated system prompts), and returns the unpatched engine's numbers."""
+    from shared_prefix_logps.engine import merge
     from shared_prefix_logps.engine import sharing as grouped
 
+    # The trie's own count: the tiny-node rule would merge each 3-5-token prompt node into its responses.
+    monkeypatch.setattr(merge, "MERGE_BELOW_SAVED_TOKENS", 0)
     patched, unpatched = engines
     td = system_batch(patched, seed=1, use_remove_padding=remove_padding)
     ours, deeper = counted(patched, lambda: vs.infer(patched, td))
@@ -197,7 +200,7 @@ def _fsdp_worker(rank, port, path, results):
     torch.set_num_threads(1)
     vs.use_cpu_platform()
     torch.distributed.init_process_group("gloo")
-    from shared_prefix_logps import api
+    from shared_prefix_logps import api, training
     from shared_prefix_logps.engine import merge
     from shared_prefix_logps.integrations.verl import get_patch, unpatch_verl_engine
 
@@ -205,13 +208,14 @@ def _fsdp_worker(rank, port, path, results):
     # leave two depths, as many forwards as process 1's two phases): the processes' forward counts must differ here.
     merge.MERGE_BELOW_SAVED_TOKENS = 0
     tree_calls = {"no grad": 0, "grad": 0}
-    original = api.score_grouped_as_tree
+    original = api.grouped_plan
 
-    def spy(prepared, batch, *args, **options):
-        tree_calls["grad" if torch.is_grad_enabled() else "no grad"] += 1
-        return original(prepared, batch, *args, **options)
+    def spy(batch, *, deeper, **options):
+        if deeper:  # the trie searched from the rows, not the two-level one
+            tree_calls["grad" if torch.is_grad_enabled() else "no grad"] += 1
+        return original(batch, deeper=deeper, **options)
 
-    api.score_grouped_as_tree = spy
+    api.grouped_plan = training.grouped_plan = spy
     patched, unpatched = (vs.build_engine(path, micro_batch_size=MICRO_BATCH) for _ in range(2))
     unpatch_verl_engine(unpatched)
     out = {}
@@ -247,7 +251,8 @@ def _fsdp_worker(rank, port, path, results):
 def test_two_process_fsdp2(tmp_path):
     """Two gloo processes under FSDP2: old-policy log-probs and entropies (1e-5) and one optimizer step of
     ``ppo_loss`` (SGD: equal parameters after the step mean equal gradients) as the unpatched engines compute them;
-    the tree pass served process 0's two no-grad micro-batches and nothing else."""
+    the searched trie served process 0's two no-grad micro-batches (process 1's have no system prompt) and both
+    processes' two training micro-batches (both hold the system prompt)."""
     path = vs.save_model(tmp_path / "model", "qwen2")
     with mp.Manager() as manager:
         results = manager.dict()
@@ -260,6 +265,7 @@ def test_two_process_fsdp2(tmp_path):
         vs.assert_same_training_step(ours, theirs, rank)
         stats = results[rank]["stats"]
         assert stats["shared"] == 4 and stats["fallbacks"] == 0 and stats["checks"] == [True, True], stats
-        assert stats["tree_calls"] == {"no grad": 2 if rank == 0 else 0, "grad": 0}, stats
+        # Training shares the system prompt both processes' batches hold: the searched trie with gradients too.
+        assert stats["tree_calls"] == {"no grad": 2 if rank == 0 else 0, "grad": 2}, stats
     # process 0 made one forward per trie depth, process 1 two phases: the counts differed and were joined
     assert results[0]["stats"]["padding_forwards"] + results[1]["stats"]["padding_forwards"] > 0

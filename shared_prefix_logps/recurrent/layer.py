@@ -17,12 +17,29 @@ from .state import RecurrentState
 _CACHE_ARGUMENTS = ("cache", "cache_params", "past_key_values")
 
 
+def _wrapped_functions(function: Callable, depth: int = 3):
+    """``function``, then the functions its closure holds, recursively (``depth`` levels): what a decorator that does
+    not set ``__wrapped__`` wraps (transformers 5.15's ``force_accelerate_hooks`` takes ``*args, **kwargs``)."""
+    yield function
+    if depth == 0:
+        return
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            inner = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if inspect.isfunction(inner):
+            yield from _wrapped_functions(inner, depth - 1)
+
+
 def cache_argument(forward: Callable) -> str:
-    """The name under which ``forward`` (a recurrent layer's own forward) takes its cache."""
-    parameters = inspect.signature(forward).parameters
-    for name in _CACHE_ARGUMENTS:
-        if name in parameters:
-            return name
+    """The name under which ``forward`` (a recurrent layer's own forward, possibly under a decorator that hides its
+    signature) takes its cache."""
+    for function in _wrapped_functions(forward):
+        parameters = inspect.signature(function).parameters
+        for name in _CACHE_ARGUMENTS:
+            if name in parameters:
+                return name
     raise TypeError(
         f"{getattr(forward, '__qualname__', forward)} takes no cache argument ({', '.join(_CACHE_ARGUMENTS)})"
     )

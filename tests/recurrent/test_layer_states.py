@@ -313,3 +313,22 @@ def test_node_spans_reject_bad_layouts():
     _, end = run_from_states(mixer, torch.randn(1, 4, 32), NodeSpans.packed(torch.tensor([4])))
     with pytest.raises(ValueError, match="1 states for 2 nodes"):
         run_from_states(mixer, torch.randn(1, 4, 32), NodeSpans.packed(torch.tensor([2, 2])), end)
+
+
+def test_cache_argument_found_under_a_decorator_that_hides_the_signature():
+    """transformers 5.15 wraps the Gated DeltaNet forward in ``force_accelerate_hooks``, whose wrapper takes
+    ``*args, **kwargs`` and sets no ``__wrapped__``: the cache argument is read from the function it closes over."""
+
+    def hiding(function):
+        def wrapped(self, *args, **kwargs):
+            return function(self, *args, **kwargs)
+
+        return wrapped
+
+    def forward(self, hidden_states, cache_params=None, attention_mask=None):
+        return hidden_states
+
+    assert cache_argument(hiding(forward)) == "cache_params"
+    assert cache_argument(hiding(hiding(forward))) == "cache_params"
+    with pytest.raises(TypeError, match="takes no cache argument"):
+        cache_argument(hiding(lambda self, hidden_states: hidden_states))

@@ -123,7 +123,7 @@ step_kernels() {
 step_bench() {  # $1: the bench --name; the rest: bench arguments. Records stream to $RESULTS/$1.jsonl, then $OUT.
     local name=$1 rc
     shift
-    bounded $PY -m shared_prefix_logps.bench.cli bench "$@" --output "$RESULTS" --name "$name"
+    bounded $PY -m shared_prefix_logps.cli bench "$@" --output "$RESULTS" --name "$name"
     rc=$?
     collect_records "$name"
     return $rc

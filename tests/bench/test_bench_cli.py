@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from shared_prefix_logps.bench.cli import main
 from shared_prefix_logps.bench.methods import METHODS
+from shared_prefix_logps.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

@@ -21,7 +21,7 @@ SCRIPT = ROOT / "benchmarks" / "run_gpu.sh"
 
 STAND_IN = """#!/usr/bin/env bash
 # The bench CLI, pytest and the kernel benchmark print, then hang; everything else is the real interpreter.
-if [ "$1" = "-m" ] && [ "$2" = "shared_prefix_logps.bench.cli" ]; then
+if [ "$1" = "-m" ] && [ "$2" = "shared_prefix_logps.cli" ]; then
     out="" name=""
     while [ $# -gt 0 ]; do
         case "$1" in --output) out=$2; shift ;; --name) name=$2; shift ;; esac

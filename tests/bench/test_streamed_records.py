@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from shared_prefix_logps.bench import methods, tree_methods
-from shared_prefix_logps.bench.cli import main
 from shared_prefix_logps.bench.report import read_records
+from shared_prefix_logps.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 

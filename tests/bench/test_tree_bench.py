@@ -8,12 +8,12 @@ import torch
 from support.exactness import max_relative_grad_error
 from support.tiny_models import VOCAB, build_model
 
-from shared_prefix_logps.bench.cli import main
 from shared_prefix_logps.bench.flops import ModelShape
 from shared_prefix_logps.bench.tree_flops import method_flops
 from shared_prefix_logps.bench.tree_methods import TREE_METHODS, TreeCase
 from shared_prefix_logps.bench.tree_report import readme_table
 from shared_prefix_logps.bench.tree_workloads import agentic, forks, forwarded_tokens, turns
+from shared_prefix_logps.cli import main
 
 SMALL = [
     # A system prompt long enough that compute_logps would take the tree pass, were deeper sharing not off.

@@ -101,3 +101,21 @@ def test_the_circle_finder_finds_a_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _circles(graph) == [["a", "b", "c"]]
     assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_one_cli_module_that_no_module_imports():
+    """The command line is one module (``cli.py``): subcommands keep their options and runs in ``command.py`` modules,
+    and no module imports the command line."""
+    cli_modules = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("cli.py"))
+    assert cli_modules == ["cli.py"], cli_modules
+    importers = []
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [alias.name for alias in node.names]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            if any(name == "cli" or name.endswith(".cli") for name in names):
+                importers.append(str(path.relative_to(PACKAGE)))
+    assert not importers, importers

@@ -8,7 +8,8 @@ import sys
 import pytest
 
 import shared_prefix_logps
-from shared_prefix_logps.bench import cli, demo
+from shared_prefix_logps import cli
+from shared_prefix_logps.bench import demo
 
 
 def _options(parser: argparse.ArgumentParser):
@@ -83,7 +84,7 @@ def test_version_falls_back_to_the_package(monkeypatch):
 
 def test_version_from_a_fresh_process():
     out = subprocess.run(
-        [sys.executable, "-m", "shared_prefix_logps.bench.cli", "--version"],
+        [sys.executable, "-m", "shared_prefix_logps.cli", "--version"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -100,7 +101,7 @@ _HELP_PROBE = """
 import runpy, sys
 sys.argv = ["shared-prefix-logps", *sys.argv[1:]]
 try:
-    runpy.run_module("shared_prefix_logps.bench.cli", run_name="__main__")
+    runpy.run_module("shared_prefix_logps.cli", run_name="__main__")
 except SystemExit:
     pass
 print("loaded:", ",".join(sorted(m for m in ("torch", "transformers") if m in sys.modules)), file=sys.stderr)

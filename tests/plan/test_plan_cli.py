@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from shared_prefix_logps.bench.cli import main
+from shared_prefix_logps.cli import main
 from shared_prefix_logps.plan import Engine, Workload, parse_memory_size, plan
 
 BASE = ["plan", "--model", "qwen2.5-7b", "--prompt-len", "4096", "--completion-len", "1024", "--generations", "16"]

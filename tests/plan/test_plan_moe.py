@@ -10,7 +10,7 @@ import pytest
 import torch
 from support.tiny_models import FAMILIES, MORE_FAMILIES, build_model
 
-from shared_prefix_logps.bench.cli import main
+from shared_prefix_logps.cli import main
 from shared_prefix_logps.plan import Engine, Workload, load_dims, plan
 from shared_prefix_logps.plan.dims import dims_from_config
 from shared_prefix_logps.plan.flops import body_flops_per_token

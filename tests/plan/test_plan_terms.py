@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from shared_prefix_logps.bench.cli import main
+from shared_prefix_logps.cli import main
 from shared_prefix_logps.plan import Engine, Workload, bench_workload, plan_memory
 from shared_prefix_logps.plan.dims import dims_from_config, dims_from_preset
 from shared_prefix_logps.plan.memory import expand_terms

@@ -1,4 +1,4 @@
-"""``shared-prefix-logps``: the command line (``bench``, ``demo`` and ``plan``)."""
+"""``shared-prefix-logps bench``: its options and what it runs (the command line itself: ``cli.py``)."""
 
 from __future__ import annotations
 
@@ -131,38 +131,13 @@ def _markdown_report(meta: dict, table: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def package_version() -> str:
-    """The installed distribution's version, or the package's own where it is not installed (a bare checkout)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("shared-prefix-logps")
-    except PackageNotFoundError:
-        import shared_prefix_logps
-
-        return shared_prefix_logps.__version__
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The ``shared-prefix-logps`` parser with its ``bench``, ``demo`` and ``plan`` subcommands."""
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``bench`` subcommand's options on ``parser``."""
     from .presets import PRESETS
 
-    parser = argparse.ArgumentParser(
-        prog="shared-prefix-logps",
-        description="Benchmark, demo and memory planner of shared-prefix-logps (per-token log-probs of G completions "
-        "per prompt, each prompt forwarded once).",
-    )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{bench,demo,plan}")
-    bench = sub.add_parser(
-        "bench",
-        help="benchmark methods side by side on GRPO-shaped batches",
-        description="Time, peak memory, agreement with dense, token counts and floors of each method on GRPO-shaped "
-        "batches (B prompts x G completions); one record per method, shape and workload.",
-    )
     with_cuda = {name: values[0] for name, values in BENCH_CUDA_DEFAULTS.items()}
     without = {name: values[1] for name, values in BENCH_CUDA_DEFAULTS.items()}
-    bench.add_argument(
+    parser.add_argument(
         "--model",
         "--preset",
         dest="model",
@@ -170,11 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"model shape, built with random weights: a preset ({', '.join(sorted(PRESETS))}) or a config.json path "
         f"(or its directory) (default: {with_cuda['model']} with CUDA, {without['model']} without)",
     )
-    bench.add_argument(
+    parser.add_argument(
         "--layers", type=int, default=None, help="override the preset's depth, or keep a config's first layers"
     )
-    bench.add_argument("--prompts", type=int, default=2, help="B, prompts per batch (default: %(default)s)")
-    bench.add_argument(
+    parser.add_argument("--prompts", type=int, default=2, help="B, prompts per batch (default: %(default)s)")
+    parser.add_argument(
         "--prompt-len",
         type=int,
         nargs="+",
@@ -182,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="P, the longest prompt's real tokens; several values sweep "
         f"(default: {with_cuda['prompt_len'][0]} with CUDA, {without['prompt_len'][0]} without)",
     )
-    bench.add_argument(
+    parser.add_argument(
         "--completion-len",
         type=int,
         nargs="+",
@@ -190,93 +165,61 @@ def build_parser() -> argparse.ArgumentParser:
         help="C, completion width (C/2..C real tokens each); several values sweep "
         f"(default: {with_cuda['completion_len'][0]} with CUDA, {without['completion_len'][0]} without)",
     )
-    bench.add_argument(
+    parser.add_argument(
         "--generations", type=int, nargs="+", default=[8], help="G, completions per prompt; several values sweep"
     )
-    bench.add_argument(
+    parser.add_argument(
         "--methods",
         default=DEFAULT_METHODS,
         help="comma-separated methods to run (also flash; with --tree-workload: dense, one_level, tree); "
         "default: %(default)s",
     )
-    bench.add_argument(
+    parser.add_argument(
         "--workloads",
         default="score,train",
         help="score (no-grad log-probs) and/or train (forward + backward), comma-separated",
     )
-    bench.add_argument("--repeats", type=int, default=3, help="timed repeats per method; the median is kept")
-    bench.add_argument("--device", default=None, help="cuda or cpu (default: cuda where it is available)")
-    bench.add_argument(
+    parser.add_argument("--repeats", type=int, default=3, help="timed repeats per method; the median is kept")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda where it is available)")
+    parser.add_argument(
         "--dtype", choices=["bf16", "fp32"], default=None, help="model dtype (default: bf16 on CUDA, fp32 on CPU)"
     )
-    bench.add_argument(
+    parser.add_argument(
         "--threads", type=int, default=None, help="CPU threads (default: 1 on CPU, torch's with CUDA; 0: torch's)"
     )
-    bench.add_argument(
+    parser.add_argument(
         "--output",
         default=None,
         help="directory for JSON, Markdown and PNG results; each record is also appended to <name>.jsonl there "
         "as soon as it is measured",
     )
-    bench.add_argument("--name", default=None, help="file stem of the results (default: bench)")
-    bench.add_argument(
+    parser.add_argument("--name", default=None, help="file stem of the results (default: bench)")
+    parser.add_argument(
         "--max-generations", action="store_true", help="also find the largest G that fits per method (train)"
     )
-    bench.add_argument(
+    parser.add_argument(
         "--tree-workload",
         choices=["agentic", "turns", "forks"],
         default=None,
         help="benchmark a prefix-tree workload instead (methods dense, one_level, tree; bench/tree_runner.py)",
     )
-    bench.add_argument(
+    parser.add_argument(
         "--tree-option",
         action="append",
         metavar="KEY=VALUE",
         help="scale the tree workload: a keyword of its builder in bench/tree_workloads.py, e.g. prompts=4 "
         "(repeatable; default: the preset's own shapes)",
     )
-    bench.add_argument(
+    parser.add_argument(
         "--dense-tokens",
         type=int,
         default=8192,
         help="tree workloads: the most tokens of one micro-batch of rows of the dense method",
     )
-    demo = sub.add_parser(
-        "demo",
-        help="the CPU/GPU demo (same as python -m shared_prefix_logps.bench.demo)",
-        description="Shared vs dense log-probs on a random model: tokens, time, memory. Options after `demo` go to "
-        "the demo itself: `shared-prefix-logps demo --help` lists them.",
-        add_help=False,
-    )
-    demo.add_argument("rest", nargs=argparse.REMAINDER, help="the demo's own options (--help lists them)")
-    from ..plan import cli as plan_cli
-
-    plan_cli.add_arguments(
-        sub.add_parser(
-            "plan",
-            help="predicted peak memory and FLOPs of every method",
-            description="Predicted peak memory per device (with its largest terms), whether it fits, FLOPs, token and "
-            "FLOP floors, the largest G that fits and chunked_backward's generations_per_chunk; nothing is run.",
-        )
-    )
-    return parser
 
 
-def main(argv=None) -> int:
-    """Entry point of the ``shared-prefix-logps`` command."""
-    from ..plan import cli as plan_cli
-
-    parser = build_parser()
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["demo"]:
-        # argparse's REMAINDER does not take option-like words, so the demo's options bypass this parser.
-        from .demo import main as demo_main
-
-        demo_main(argv[1:])
-        return 0
-    args = parser.parse_args(argv)
-    if args.command == "plan":
-        return plan_cli.run(args)
+def run(args: argparse.Namespace) -> int:
+    """Run ``shared-prefix-logps bench`` with the parsed ``args``; the exit code."""
     from .run_info import fill_cuda_defaults
 
     fill_cuda_defaults(args, BENCH_CUDA_DEFAULTS)
@@ -285,7 +228,3 @@ def main(argv=None) -> int:
 
         return run_tree_bench(args, methods_given=args.methods != DEFAULT_METHODS)
     return _bench(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""``shared-prefix-logps plan``: the command line of the planner (registered by ``bench.cli``)."""
+"""``shared-prefix-logps plan``: the planner's options and report (the command line itself: ``cli.py``)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from support.block_sparse import block_sets, kernel_attention, kernel_visibility
 from support.tiny_models import build_model, make_batch
-from support.trees import pad_rows, planned_node_calls, random_tree_rows, token_visibility
+from support.trees import grouped_batch_calls, pad_rows, planned_node_calls, random_tree_rows, token_visibility
 
 from shared_prefix_logps import compute_logps, compute_logps_tree
 from shared_prefix_logps.backends import flex
@@ -215,16 +215,7 @@ def test_a_million_query_mask_builds_in_seconds_and_memory_proportional_to_its_b
     itself is replaced by a probe), as a forward would build it. Evaluating the mask function at every pair (what
     create_block_mask does) took 35 s and 13 GB at 32k queries and grows with the square of the batch."""
     prompts, prefix, generations, completion = 8, 4096, 16, 8192
-    rows = prompts * generations
-    trie = grouped_trie(
-        torch.zeros(prompts, prefix, dtype=torch.long),
-        torch.ones(prompts, prefix, dtype=torch.bool),
-        torch.zeros(rows, completion, dtype=torch.long),
-        torch.ones(rows, completion, dtype=torch.bool),
-        torch.arange(prompts).repeat_interleave(generations),
-    )
-    planner = CallPlanner(trie, ScoredPairs(*(torch.zeros(0, dtype=torch.long),) * 3), "flex")
-    prompts_call, call = (planner.plan(nodes) for nodes in levels(trie))
+    prompts_call, call = grouped_batch_calls(prompts, prefix, generations, completion)
     n = call.num_tokens
     built = {}
 

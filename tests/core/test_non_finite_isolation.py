@@ -23,7 +23,7 @@ import torch
 from support.flash_reference import REFERENCE
 from support.graph_counter import allow_flex_backward_on_cpu
 from support.tiny_models import VOCAB, build_model
-from support.trees import spy_tree_calls
+from support.trees import pad_alternating, spy_tree_calls
 
 from shared_prefix_logps import chunked_backward_tree, compute_logps, compute_logps_tree
 from shared_prefix_logps.backends.flash_kernels import substituted
@@ -101,16 +101,7 @@ def tree_batch(seed: int = 0):
         system + fork,
         _tokens(gen, 4).tolist(),
     ]
-    width = max(len(row) for row in rows) + 1
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.bool)
-    for i, row in enumerate(rows):
-        span = slice(width - len(row), width) if i % 2 else slice(0, len(row))
-        ids[i, span] = torch.tensor(row)
-        mask[i, span] = True
-    score = mask.clone()
-    score[torch.arange(len(rows)), mask.long().argmax(1)] = False
-    return ids, mask, score, 0
+    return (*pad_alternating(rows, hole=False), 0)
 
 
 def _clean_tokens(ids, mask, bad: int) -> torch.Tensor:

@@ -13,12 +13,10 @@ import torch
 from support.block_sparse import block_sets
 from support.exactness import max_relative_grad_error, parameter_grads, weighted_loss
 from support.tiny_models import build_model, make_batch
-from support.trees import planned_node_calls, random_tree_rows
+from support.trees import grouped_batch_calls, planned_node_calls, random_tree_rows
 
 from shared_prefix_logps import compute_logps
 from shared_prefix_logps.backends import flex
-from shared_prefix_logps.engine.node_calls import CallPlanner, ScoredPairs
-from shared_prefix_logps.engine.trie import grouped_trie, levels
 
 pytestmark = [
     pytest.mark.gpu,
@@ -75,15 +73,7 @@ def test_flex_exact_when_the_kernel_reads_the_block_lists(family, mode):
 def test_a_million_query_mask_builds_in_seconds_on_cuda(monkeypatch):
     prompts, prefix, generations, completion = 8, 4096, 16, 8192
     rows = prompts * generations
-    trie = grouped_trie(
-        torch.zeros(prompts, prefix, dtype=torch.long),
-        torch.ones(prompts, prefix, dtype=torch.bool),
-        torch.zeros(rows, completion, dtype=torch.long),
-        torch.ones(rows, completion, dtype=torch.bool),
-        torch.arange(prompts).repeat_interleave(generations),
-    )
-    planner = CallPlanner(trie, ScoredPairs(*(torch.zeros(0, dtype=torch.long),) * 3), "flex")
-    prompts_call, call = (planner.plan(nodes).to(CUDA) for nodes in levels(trie))
+    prompts_call, call = (c.to(CUDA) for c in grouped_batch_calls(prompts, prefix, generations, completion))
     n = call.num_tokens
     built = {}
 

@@ -142,9 +142,9 @@ def spy_tree_calls(monkeypatch) -> list[int]:
     return calls
 
 
-def pad_alternating(rows: list[list[int]]):
+def pad_alternating(rows: list[list[int]], *, hole: bool = True):
     """(ids, mask, score) of ``rows``: (N, longest + 1) int64 / bool / bool, even rows right-padded and odd rows
-    left-padded, every real position scored but each row's first and column 3 (a hole)."""
+    left-padded, every real position scored but each row's first and (with ``hole``) column 3."""
     width = max(len(r) for r in rows) + 1
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.bool)
@@ -154,5 +154,26 @@ def pad_alternating(rows: list[list[int]]):
         mask[i, span] = True
     score = mask.clone()
     score[torch.arange(len(rows)), mask.long().argmax(1)] = False
-    score[:, 3] = False  # a hole
+    if hole:
+        score[:, 3] = False
     return ids, mask, score
+
+
+def grouped_batch_calls(prompts: int, prefix: int, generations: int, completion: int, layout: str = "flex"):
+    """The two node calls (prompts, then completions) of a grouped batch of ``prompts`` prompts of ``prefix`` tokens
+    with ``generations`` completions of ``completion`` tokens each, planned for ``layout`` on the host; nothing
+    scored (the calls' masks are what the tests build)."""
+    from shared_prefix_logps.engine.node_calls import CallPlanner, ScoredPairs
+    from shared_prefix_logps.engine.trie import grouped_trie, levels
+
+    rows = prompts * generations
+    trie = grouped_trie(
+        torch.zeros(prompts, prefix, dtype=torch.long),
+        torch.ones(prompts, prefix, dtype=torch.bool),
+        torch.zeros(rows, completion, dtype=torch.long),
+        torch.ones(rows, completion, dtype=torch.bool),
+        torch.arange(prompts).repeat_interleave(generations),
+    )
+    planner = CallPlanner(trie, ScoredPairs(*(torch.zeros(0, dtype=torch.long),) * 3), layout)
+    prompts_call, completions_call = (planner.plan(nodes) for nodes in levels(trie))
+    return prompts_call, completions_call

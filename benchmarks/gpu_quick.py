@@ -276,6 +276,22 @@ def _modes(backend, device):
     return ("score",) if backend == "flex" and device.type != "cuda" else ("score", "train", "chunked")
 
 
+def _against_dense(result, reference) -> dict:
+    """Figures of one ``run_mode`` result (logps, entropy, grads or None) against the dense one: the largest log-prob
+    and entropy differences, and the largest relative gradient error where the result has gradients."""
+    from support.exactness import max_relative_grad_error
+
+    logps, entropy, grads = result
+    ref_logps, ref_entropy, ref_grads = reference
+    figures = {
+        "logps_max_abs": float((logps - ref_logps).abs().max()),
+        "entropy_max_abs": float((entropy - ref_entropy).abs().max()),
+    }
+    if grads is not None:
+        figures["grad_max_rel"] = float(max_relative_grad_error(grads, ref_grads))
+    return figures
+
+
 def stage_s1(checks: Checks, device) -> None:
     import torch
     from support.exactness import max_relative_grad_error, run_mode
@@ -344,15 +360,9 @@ def stage_s1(checks: Checks, device) -> None:
         for mode in _modes(backend, device):
 
             def fp32(backend=backend, mode=mode):
-                logps, entropy, grads = run_mode(llama, mode, backend, batch, temperature=0.7)
-                ref_logps, ref_entropy, ref_grads = reference
-                figures = {
-                    "logps_max_abs": float((logps - ref_logps).abs().max()),
-                    "entropy_max_abs": float((entropy - ref_entropy).abs().max()),
-                    "masked_zero": bool((logps[~batch[3]] == 0).all()),
-                }
-                if grads is not None:
-                    figures["grad_max_rel"] = float(max_relative_grad_error(grads, ref_grads))
+                result = run_mode(llama, mode, backend, batch, temperature=0.7)
+                figures = _against_dense(result, reference)
+                figures["masked_zero"] = bool((result[0][~batch[3]] == 0).all())
                 ok = figures["logps_max_abs"] <= FP32_LOGPS_TOL and figures["entropy_max_abs"] <= FP32_LOGPS_TOL
                 ok &= figures["masked_zero"] and figures.get("grad_max_rel", 0.0) <= FP32_GRAD_TOL
                 return ok, figures
@@ -403,16 +413,9 @@ def stage_s1(checks: Checks, device) -> None:
         model = gpu_test_model(family).to(device)
         gemma_batch = batch_on(seed=2)
         mode = "train" if cuda else "score"
-        logps, entropy, grads = run_mode(model, mode, "flex", gemma_batch, temperature=0.7)
-        ref_logps, ref_entropy, ref_grads = run_mode(model, "train", "dense", gemma_batch, temperature=0.7)
-        figures = {
-            "family": family,
-            "mode": mode,
-            "logps_max_abs": float((logps - ref_logps).abs().max()),
-            "entropy_max_abs": float((entropy - ref_entropy).abs().max()),
-        }
-        if grads is not None:
-            figures["grad_max_rel"] = float(max_relative_grad_error(grads, ref_grads))
+        result = run_mode(model, mode, "flex", gemma_batch, temperature=0.7)
+        reference = run_mode(model, "train", "dense", gemma_batch, temperature=0.7)
+        figures = {"family": family, "mode": mode, **_against_dense(result, reference)}
         ok = figures["logps_max_abs"] <= FP32_LOGPS_TOL and figures.get("grad_max_rel", 0.0) <= FP32_GRAD_TOL
         return ok, figures
 
@@ -540,7 +543,7 @@ def _hybrid_entry(mode: str, device):
     parameter's gradient. Left-padded prompts (one of a single token), ragged completions."""
     import transformers
     from packaging.version import Version
-    from support.exactness import max_relative_grad_error, run_mode
+    from support.exactness import run_mode
     from support.hybrid_models import build_hybrid
     from support.tiny_models import make_batch
 
@@ -551,14 +554,8 @@ def _hybrid_entry(mode: str, device):
     model = build_hybrid("qwen3_5_text").to(device)
     shape = (3, 4, 40, 24) if device.type == "cuda" else (2, 2, 12, 6)  # the CPU dry run checks the plumbing
     batch = tuple(t.to(device) for t in make_batch(*shape, seed=2))
-    logps, entropy, grads = run_mode(model, mode, "expand", batch, temperature=0.7)
-    ref_logps, ref_entropy, ref_grads = run_mode(model, "train", "dense", batch, temperature=0.7)
-    figures = {
-        "logps_max_abs": float((logps - ref_logps).abs().max()),
-        "entropy_max_abs": float((entropy - ref_entropy).abs().max()),
-    }
-    if grads is not None:
-        figures["grad_max_rel"] = float(max_relative_grad_error(grads, ref_grads))
+    result = run_mode(model, mode, "expand", batch, temperature=0.7)
+    figures = _against_dense(result, run_mode(model, "train", "dense", batch, temperature=0.7))
     ok = figures["logps_max_abs"] <= FP32_LOGPS_TOL and figures["entropy_max_abs"] <= FP32_LOGPS_TOL
     return ok and figures.get("grad_max_rel", 0.0) <= FP32_GRAD_TOL, figures
 

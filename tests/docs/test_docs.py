@@ -5,6 +5,7 @@ name holding its docstring and every argument of its signature, and the README s
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -125,10 +126,11 @@ def _named_paths(page: Path) -> tuple[set[str], set[str]]:
     return files, folders
 
 
-def _ignored_locals() -> set[str]:
+@functools.cache
+def _ignored_locals() -> frozenset[str]:
     """Root paths ``.gitignore`` names (``/.whl/``): folders a user makes on their machine, absent from a clone."""
     lines = (ROOT / ".gitignore").read_text().splitlines()
-    return {line.strip("/") for line in lines if line.startswith("/")}
+    return frozenset(line.strip("/") for line in lines if line.startswith("/"))
 
 
 def _exists(name: str, *, folder: bool) -> bool:

@@ -123,22 +123,28 @@ def star_batch(leaves: int, seed: int = 0):
     return ids, mask, score
 
 
-def spy_tree_calls(monkeypatch) -> list[int]:
-    """A list that grows by the number of rows of every grouped call (``compute_logps``,
-    ``compute_logps_concatenated``, ``chunked_backward``) whose plan takes the trie searched from its rows (deeper
-    sharing) instead of the two-level one."""
+def spy_searched_plans(on_call, setattr=setattr) -> None:
+    """Call ``on_call(batch)`` for every grouped call (``compute_logps``, ``compute_logps_concatenated``,
+    ``chunked_backward``) whose plan takes the trie searched from its rows (deeper sharing) instead of the two-level
+    one; ``setattr`` installs the spy (``monkeypatch.setattr`` in a test, plain ``setattr`` in a spawned process)."""
     from shared_prefix_logps import api, training
 
-    calls = []
     original = api.grouped_plan
 
-    def spy(batch, *, deeper, merge_below, **options):
+    def spy(batch, *, deeper, **options):
         if deeper:
-            calls.append(int(batch.completion_ids.shape[0]))
-        return original(batch, deeper=deeper, merge_below=merge_below, **options)
+            on_call(batch)
+        return original(batch, deeper=deeper, **options)
 
-    monkeypatch.setattr(api, "grouped_plan", spy)
-    monkeypatch.setattr(training, "grouped_plan", spy)
+    setattr(api, "grouped_plan", spy)
+    setattr(training, "grouped_plan", spy)
+
+
+def spy_tree_calls(monkeypatch) -> list[int]:
+    """A list that grows by the number of rows of every grouped call that takes the searched trie
+    (:func:`spy_searched_plans`)."""
+    calls = []
+    spy_searched_plans(lambda batch: calls.append(int(batch.completion_ids.shape[0])), monkeypatch.setattr)
     return calls
 
 

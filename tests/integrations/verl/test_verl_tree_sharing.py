@@ -16,7 +16,7 @@ import torch  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from support import verl_setup as vs  # noqa: E402
 from support.distributed import free_port, set_rank_environment  # noqa: E402
-from support.trees import spy_tree_calls  # noqa: E402
+from support.trees import spy_searched_plans, spy_tree_calls  # noqa: E402
 
 SYSTEM = 70  # tokens of the shared system prompt: one repeat of it saves more than the tree pass's 64-token threshold
 SHORT_SYSTEM = 8  # a shared start too short for the tree pass to pay
@@ -200,7 +200,6 @@ def _fsdp_worker(rank, port, path, results):
     torch.set_num_threads(1)
     vs.use_cpu_platform()
     torch.distributed.init_process_group("gloo")
-    from shared_prefix_logps import api, training
     from shared_prefix_logps.engine import merge
     from shared_prefix_logps.integrations.verl import get_patch, unpatch_verl_engine
 
@@ -208,14 +207,11 @@ def _fsdp_worker(rank, port, path, results):
     # leave two depths, as many forwards as process 1's two phases): the processes' forward counts must differ here.
     merge.MERGE_BELOW_SAVED_TOKENS = 0
     tree_calls = {"no grad": 0, "grad": 0}
-    original = api.grouped_plan
 
-    def spy(batch, *, deeper, **options):
-        if deeper:  # the trie searched from the rows, not the two-level one
-            tree_calls["grad" if torch.is_grad_enabled() else "no grad"] += 1
-        return original(batch, deeper=deeper, **options)
+    def count(batch):
+        tree_calls["grad" if torch.is_grad_enabled() else "no grad"] += 1
 
-    api.grouped_plan = training.grouped_plan = spy
+    spy_searched_plans(count)
     patched, unpatched = (vs.build_engine(path, micro_batch_size=MICRO_BATCH) for _ in range(2))
     unpatch_verl_engine(unpatched)
     out = {}

@@ -6,5 +6,6 @@
 - ``rows``: row-layout checks and regrouping shuffled rows by prompt;
 - ``lockstep``: keeping processes' model calls in step when forwards are collectives (FSDP);
 - ``ddp``: DDP unwrapping and gradient averaging;
-- ``modules``: autocast wrapper, dropout detection, temporary eval mode.
+- ``modules``: autocast wrapper, dropout detection, temporary eval mode;
+- ``backends``: the ``backend`` values every plug-in accepts.
 """

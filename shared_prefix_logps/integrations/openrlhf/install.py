@@ -18,6 +18,7 @@ import os
 import warnings
 
 from ...errors import UnsupportedModelError
+from ..common.backends import check_plugin_backend
 from .order import install_group_order
 from .patch import ORIGINAL_ATTRIBUTE, PATCH_ATTRIBUTE, ActorPatch
 
@@ -36,8 +37,7 @@ def _flag(name: str, default: str) -> bool:
 def options_from_environment() -> dict:
     """The patch options the environment sets (see the module docstring); raises ValueError on a bad value."""
     backend = os.environ.get(f"{ENV_PREFIX}_BACKEND", "auto")
-    if backend not in ("auto", "expand", "flex"):
-        raise ValueError(f"{ENV_PREFIX}_BACKEND must be auto, expand or flex, got {backend!r}")
+    check_plugin_backend(backend, f"{ENV_PREFIX}_BACKEND")
     return {
         "enabled": _flag(ENV_PREFIX, "1"),
         "backend": backend,

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from ...api import compute_logps_concatenated
 from ...model import prepare_model
+from ..common.backends import PLUGIN_BACKENDS
 from ..common.lockstep import Lockstep
 from ..common.modules import dropout_active
 from ..common.patching import Unpatched, replace_attribute, restore_attributes
@@ -23,7 +24,7 @@ from .outputs import SharedPrefixActorOutput
 PATCH_ATTRIBUTE = "_shared_prefix_logps_patch"
 # set on the class-level forward that install() puts on Actor: the forward it replaced
 ORIGINAL_ATTRIBUTE = "_shared_prefix_logps_original"
-BACKENDS = ("auto", "expand", "flex")
+BACKENDS = PLUGIN_BACKENDS
 
 
 @dataclass

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from ...inputs import as_int
 from ...model import prepare_model
+from ..common.backends import check_plugin_backend
 from ..common.lockstep import Lockstep
 from ..common.patching import Unpatched, replace_attribute, restore_attributes
 from ..common.self_check import default_tolerance
@@ -94,8 +95,7 @@ def patch_grpo_trainer(
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    if backend not in ("auto", "expand", "flex"):
-        raise ValueError(f"backend must be 'auto', 'expand' or 'flex', got {backend!r}")
+    check_plugin_backend(backend)
     generations_per_chunk = as_int("generations_per_chunk", generations_per_chunk)
     if generations_per_chunk < 1:
         raise ValueError(f"generations_per_chunk must be >= 1, got {generations_per_chunk}")

@@ -26,7 +26,9 @@ import math
 import os
 from dataclasses import dataclass
 
-BACKENDS = ("auto", "expand", "flex")
+from ..common.backends import PLUGIN_BACKENDS
+
+BACKENDS = PLUGIN_BACKENDS
 MODES = ("logps", "off")
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")

@@ -1,0 +1,19 @@
+"""The ``backend`` values every plug-in accepts, in one place.
+
+The plug-ins offer ``auto`` and the layouts their tests run them with (``expand``, ``flex``); ``flash`` is not
+offered through them yet (no plug-in test runs it: it needs CUDA and flash-attn). ``dense`` is the reference, not a
+layout: a user who wants the trainer's own forward switches the plug-in off.
+"""
+
+from __future__ import annotations
+
+#: What a plug-in's ``backend`` option may be.
+PLUGIN_BACKENDS = ("auto", "expand", "flex")
+
+
+def check_plugin_backend(value: str, name: str = "backend") -> str:
+    """``value`` if it is one of :data:`PLUGIN_BACKENDS`; otherwise a ValueError naming ``name`` (an argument or an
+    environment variable)."""
+    if value not in PLUGIN_BACKENDS:
+        raise ValueError(f"{name} must be one of {PLUGIN_BACKENDS}, got {value!r}")
+    return value

@@ -19,8 +19,8 @@ from .backends.choice import resolve_attention_backend
 from .distributed.backward_driver import backward_chunk_loss, backward_driver
 from .distributed.lockstep import call_lockstep
 from .engine import merge
-from .engine.calls import one_token_zero
 from .engine.lockstep import CallAgreement
+from .engine.model_call import one_token_zero
 from .engine.plan import Plan, generation_chunks, grouped_plan, one_token_forks, rows_plan
 from .engine.sharing import deeper_sharing_pays
 from .engine.walk import Walk

@@ -49,7 +49,7 @@ def node_attention(query, key, value, call, ancestors, cache: dict, window, opti
 
     Args:
         query: (1, heads, T, head_dim); key/value: (1, kv_heads, T, head_dim), post-RoPE, packed.
-        call: the :class:`~shared_prefix_logps.engine.node_calls.NodeCall` (``pack_index``, ``pack_valid``,
+        call: the :class:`~shared_prefix_logps.forward.node_call.NodeCall` (``pack_index``, ``pack_valid``,
             ``ancestor_index``, ``ancestor_valid``, ``positions``).
         ancestors: each source call's (key, value), (kv_heads, tokens, head_dim), in ``call.sources`` order.
         cache: the call's cache of masks; window: the layer's sliding window or None; options: as for

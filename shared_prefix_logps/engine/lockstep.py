@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..distributed.lockstep import Lockstep
-from .calls import one_token_zero
+from .model_call import one_token_zero
 
 #: What a process announces before a model call of a chunked backward (larger first: forwards go first).
 DONE, BACKWARD, FORWARD = 0, 1, 2

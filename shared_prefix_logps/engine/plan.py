@@ -23,8 +23,8 @@ import torch
 
 from ..inputs import GroupedBatch, TreeRows
 from ..model import PreparedModel
+from .call_planner import ScoredPairs, scored_pairs
 from .merge import rows_trie
-from .node_calls import ScoredPairs, scored_pairs
 from .sharing import grouped_rows
 from .trie import PrefixTrie, grouped_trie
 

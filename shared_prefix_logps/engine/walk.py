@@ -23,8 +23,8 @@ import torch
 from ..forward.context import NodeContext
 from ..moe_router import RouterStats, path_sums
 from ..output import LogpsOutput, result_zeros
-from .calls import forward_call, one_token_zero
-from .node_calls import CallPlanner
+from .call_planner import CallPlanner
+from .model_call import forward_call, one_token_zero
 from .plan import Plan
 from .recurrent_states import recurrent_call
 

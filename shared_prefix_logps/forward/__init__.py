@@ -1,5 +1,6 @@
 """What runs inside the model's forward during a node call (and only there):
 
+- ``node_call``: what one node call forwards (``NodeCall``), built by the engine's call planner, read by the layouts;
 - ``context``: the node call's context that travels with the forward as a model kwarg (survives wrappers' copies);
 - ``attention``: the function registered with transformers' ``AttentionInterface``: the model's own attention
   outside a node call, the call's layout (``backends/``) inside one;

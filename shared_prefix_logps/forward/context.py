@@ -30,7 +30,7 @@ _count_lock = threading.Lock()
 
 @dataclass(eq=False)
 class NodeContext:
-    """One forward over a set of trie nodes (a :class:`~shared_prefix_logps.engine.node_calls.NodeCall`).
+    """One forward over a set of trie nodes (a :class:`~shared_prefix_logps.forward.node_call.NodeCall`).
 
     Attributes:
         call: the node call, on the model's device.

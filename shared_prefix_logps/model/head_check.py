@@ -9,10 +9,10 @@ import contextlib
 import torch
 from torch import nn
 
-from ..engine.node_calls import single_node_call
 from ..errors import UnsupportedModelError
 from ..forward.context import CONTEXT_KWARG, ContextHandle, HeadCheckContext, NodeContext, activated
 from ..forward.head_weights import UnsupportedHeadError, head_state
+from ..forward.node_call import single_node_call
 
 
 def head_signature(prepared) -> tuple:

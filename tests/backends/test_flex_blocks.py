@@ -22,7 +22,7 @@ from shared_prefix_logps import compute_logps, compute_logps_tree
 from shared_prefix_logps.backends import flex
 from shared_prefix_logps.backends.flex_blocks import Links, Segments, segments_of, structured_block_mask
 from shared_prefix_logps.bench.memory import LiveTensorBytes
-from shared_prefix_logps.engine.node_calls import CallPlanner, ScoredPairs
+from shared_prefix_logps.engine.call_planner import CallPlanner, ScoredPairs
 from shared_prefix_logps.engine.trie import grouped_trie, levels
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

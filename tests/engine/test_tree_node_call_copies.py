@@ -8,7 +8,7 @@ import torch
 from support.trees import planned_node_calls, random_tree_rows
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shared_prefix_logps.engine.node_calls import pack, unpack
+from shared_prefix_logps.forward.node_call import pack, unpack
 
 
 class HostToDeviceCopies(TorchDispatchMode):

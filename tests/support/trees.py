@@ -64,7 +64,7 @@ def planned_node_calls(rows: list[list[int]], *, rows_per_chunk: int, layout: st
     """(trie, calls): the node calls the walk plans for ``rows`` (each a token-id list, every position scored) taken
     ``rows_per_chunk`` at a time in depth-first order, in planning order, with ``layout``'s fields. Later chunks'
     calls attend over several earlier calls, so their ancestor stores hold nodes out of depth-first order."""
-    from shared_prefix_logps.engine.node_calls import CallPlanner
+    from shared_prefix_logps.engine.call_planner import CallPlanner
     from shared_prefix_logps.engine.plan import rows_plan
     from shared_prefix_logps.inputs import TreeRows
 
@@ -169,7 +169,7 @@ def grouped_batch_calls(prompts: int, prefix: int, generations: int, completion:
     """The two node calls (prompts, then completions) of a grouped batch of ``prompts`` prompts of ``prefix`` tokens
     with ``generations`` completions of ``completion`` tokens each, planned for ``layout`` on the host; nothing
     scored (the calls' masks are what the tests build)."""
-    from shared_prefix_logps.engine.node_calls import CallPlanner, ScoredPairs
+    from shared_prefix_logps.engine.call_planner import CallPlanner, ScoredPairs
     from shared_prefix_logps.engine.trie import grouped_trie, levels
 
     rows = prompts * generations

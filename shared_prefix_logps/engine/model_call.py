@@ -8,13 +8,13 @@ import contextlib
 import torch
 
 from ..forward.context import CONTEXT_KWARG, ContextHandle, NodeContext, activated
+from ..forward.node_call import NodeCall
 from ..forward.routing import release
 from ..model import PreparedModel
 from ..model.compiled import graph_breaks_allowed
 from ..model.installation import force_non_reentrant_checkpointing
 from ..moe_router import token_sums
 from ..recurrent import RECURRENT_CALL_KWARG, RecurrentCall
-from .node_calls import NodeCall
 
 
 def forward_call(

@@ -15,6 +15,7 @@ from .engine.dense import dense_logps
 from .engine.plan import grouped_plan, one_token_forks, rows_plan
 from .engine.scoring import score_plan
 from .engine.sharing import deeper_sharing_pays, grouped_rows
+from .forward.context import CallSettings
 from .inputs import GroupedBatch, check_options, check_tree_rows, group_batch, split_concatenated
 from .model import prepare_model
 from .moe_router import router_spec
@@ -184,14 +185,17 @@ def compute_logps_tree(
     if backend == "dense":
         logps, entropy = dense_logps(prepared, rows, temperature=temperature, return_entropy=return_entropy)
         return LogpsOutput(logps, entropy, rows.score_mask)
-    return score_plan(
-        prepared,
-        rows_plan(rows, merge_below, one_token_forks=one_token_forks(prepared)),
+    settings = CallSettings(
         layout=resolve_attention_backend(backend, prepared.device),
         temperature=temperature,
         return_entropy=return_entropy,
-        token_budget=token_budget,
         router=router_spec(prepared.causal_lm) if return_router_stats else None,
+    )
+    return score_plan(
+        prepared,
+        rows_plan(rows, merge_below, one_token_forks=one_token_forks(prepared)),
+        settings,
+        token_budget=token_budget,
         lockstep=call_lockstep(model, lockstep, prepared.device),
     )
 
@@ -212,16 +216,13 @@ def score_grouped(
     plan = grouped_plan(
         batch, deeper=deeper, merge_below=merge.MERGE_BELOW_SAVED_TOKENS, one_token_forks=one_token_forks(prepared)
     )
-    return score_plan(
-        prepared,
-        plan,
+    settings = CallSettings(
         layout=resolve_attention_backend(backend, prepared.device),
         temperature=temperature,
         return_entropy=return_entropy,
-        token_budget=token_budget,
         router=router_spec(prepared.causal_lm) if router_stats else None,
-        lockstep=steps,
     )
+    return score_plan(prepared, plan, settings, token_budget=token_budget, lockstep=steps)
 
 
 def _check_router_backend(router_stats: bool, backend: str) -> None:

@@ -25,6 +25,7 @@ from .engine.plan import Plan, generation_chunks, grouped_plan, one_token_forks,
 from .engine.sharing import deeper_sharing_pays
 from .engine.walk import Walk
 from .engine.weight_grads import weight_grads
+from .forward.context import CallSettings
 from .inputs import as_int, check_options, check_tree_rows, group_batch
 from .kernels.fused_head import keep_logits_bytes
 from .model import prepare_model
@@ -125,7 +126,8 @@ def chunked_backward(
         batch, deeper=deeper, merge_below=merge.MERGE_BELOW_SAVED_TOKENS, one_token_forks=one_token_forks(prepared)
     )
     plan = plan.ordered(generation_chunks(num_prompts, generations, generations_per_chunk))
-    return train_plan(prepared, plan, loss_fn, driver, steps, layout, float(temperature), return_entropy, router)
+    settings = CallSettings(layout, float(temperature), return_entropy, router)
+    return train_plan(prepared, plan, settings, loss_fn, driver=driver, steps=steps)
 
 
 def chunked_backward_tree(
@@ -185,7 +187,8 @@ def chunked_backward_tree(
     rows = check_tree_rows(input_ids, attention_mask, score_mask, model=prepared)
     plan = rows_plan(rows, merge_below, one_token_forks=one_token_forks(prepared)).in_chunks_of(rows_per_chunk)
     steps = call_lockstep(model, lockstep, prepared.device)
-    return train_plan(prepared, plan, loss_fn, driver, steps, layout, float(temperature), return_entropy, None)
+    settings = CallSettings(layout, float(temperature), return_entropy)
+    return train_plan(prepared, plan, settings, loss_fn, driver=driver, steps=steps)
 
 
 def _check_loss_fn(loss_fn, entry: str) -> None:
@@ -195,23 +198,19 @@ def _check_loss_fn(loss_fn, entry: str) -> None:
         raise RuntimeError(f"{entry} runs backward passes; call it with gradients enabled")
 
 
-def train_plan(
-    prepared, plan: Plan, loss_fn, driver, steps, layout, temperature, return_entropy, router
-) -> LogpsOutput:
+def train_plan(prepared, plan: Plan, settings: CallSettings, loss_fn, *, driver, steps) -> LogpsOutput:
     """Forward and backward ``plan``'s chunks in order (see the module); the detached (rows, width) output.
 
-    ``driver`` runs the backward passes (``distributed/backward_driver.py``); ``steps``: the processes' agreement
-    (every node forward and backward agreed first), or None; ``router``: ``(num_experts, top_k)`` to give each chunk's
-    output its rows' router statistics."""
+    ``settings``: the calls' (with ``router``, each chunk's output gets its rows' router statistics); ``driver`` runs
+    the backward passes (``distributed/backward_driver.py``); ``steps``: the processes' agreement (every node forward
+    and backward agreed first), or None."""
+    router, return_entropy = settings.router, settings.return_entropy
     agreement = None if steps is None else CallAgreement(steps, prepared, driver)
     grads = weight_grads(prepared, driver)
     walk = Walk(
         prepared,
         plan,
-        layout=layout,
-        temperature=temperature,
-        return_entropy=return_entropy,
-        router_top_k=None if router is None else router[1],
+        settings,
         leaves=True,
         backward=driver.tensors if agreement is None else agreement.backward,
         agreement=agreement,

@@ -19,6 +19,7 @@ import torch
 
 from ..engine.plan import rows_plan
 from ..engine.scoring import score_plan
+from ..forward.context import CallSettings
 from ..inputs import check_tree_rows
 from ..model import prepare_model
 
@@ -54,7 +55,7 @@ def _seconds(prepared, rows, thresholds: tuple[int, int], grad: bool, repeats: i
             start = time.perf_counter()
             with torch.set_grad_enabled(grad):
                 plan = rows_plan(rows, merge_below)
-                out = score_plan(prepared, plan, layout="expand", temperature=1.0, return_entropy=False)
+                out = score_plan(prepared, plan, CallSettings("expand"))
                 if grad:
                     out.logps.sum().backward()
             best[i] = min(best[i], time.perf_counter() - start)

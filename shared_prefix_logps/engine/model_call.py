@@ -4,10 +4,11 @@ accelerate hooks fire as in any forward), and the one-token forward that stands 
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, replace
 
 import torch
 
-from ..forward.context import CONTEXT_KWARG, ContextHandle, NodeContext, activated
+from ..forward.context import CONTEXT_KWARG, CallSettings, ContextHandle, NodeContext, activated
 from ..forward.node_call import NodeCall
 from ..forward.routing import release
 from ..model import PreparedModel
@@ -17,29 +18,81 @@ from ..moe_router import token_sums
 from ..recurrent import RECURRENT_CALL_KWARG, RecurrentCall
 
 
+@dataclass(frozen=True)
+class CallOutputs:
+    """What one node call hands on to later calls and to the chunks' results, the one description of them.
+
+    The walk reads them by name; :meth:`tensors` and :meth:`from_tensors` (as ``RecurrentState`` has) turn them into a
+    flat list and back, for the chunked backwards' leaves and for the call's backward.
+
+    Attributes:
+        states: attention module -> (key, value), each (kv_heads, T, head_dim): the prefix states later calls attend
+            over (empty when no later call does: ``call.keeps_states``).
+        ends: recurrent layer -> the nodes' end states (a ``RecurrentState``, one row per node of ``call.nodes``):
+            a hybrid's prefix states (empty for a model without recurrent layers or a call whose nodes have no
+            children).
+        logps: (p,) float32, one per head pair of the call.
+        entropy: (p,) float32, or None when not requested.
+        router: ``(counts, probs, tokens)`` of each of the call's nodes, (S, E), (S, E), (S,) float32, when router
+            statistics were requested; only ``probs`` is differentiable (counts come from top-k).
+    """
+
+    states: dict
+    ends: dict
+    logps: torch.Tensor
+    entropy: torch.Tensor | None = None
+    router: tuple | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every output that can carry a gradient, in a fixed order: each attention layer's key and value, each
+        recurrent layer's end-state tensors, the log-probs, then the entropy and the router probabilities where
+        present (the order :meth:`from_tensors` reads)."""
+        tensors = [tensor for pair in self.states.values() for tensor in pair]
+        tensors += [tensor for end in self.ends.values() for tensor in end.tensors()]
+        tensors.append(self.logps)
+        if self.entropy is not None:
+            tensors.append(self.entropy)
+        if self.router is not None:
+            tensors.append(self.router[1])
+        return tensors
+
+    def from_tensors(self, tensors: list[torch.Tensor]) -> CallOutputs:
+        """Outputs of the same layout holding ``tensors`` (in :meth:`tensors` order); the router's counts and token
+        counts, which carry no gradient, are kept."""
+        expected = len(self.tensors())
+        if len(tensors) != expected:
+            raise ValueError(f"expected {expected} tensors, got {len(tensors)}")
+        rest = iter(tensors)
+        states = {module: (next(rest), next(rest)) for module in self.states}
+        ends = {}
+        for module, end in self.ends.items():
+            ends[module] = end.from_tensors([next(rest) for _ in end.tensors()])
+        logps = next(rest)
+        entropy = next(rest) if self.entropy is not None else None
+        router = None
+        if self.router is not None:
+            counts, _, tokens = self.router
+            router = (counts, next(rest), tokens)
+        return CallOutputs(states, ends, logps, entropy, router)
+
+
 def forward_call(
     prepared: PreparedModel,
     call: NodeCall,
     sources: list[dict],
+    settings: CallSettings,
     *,
-    layout: str,
-    temperature: float,
-    return_entropy: bool,
-    router_top_k: int | None = None,
     weight_grads=None,
     keep_logits_bytes: int = 0,
     recurrent: RecurrentCall | None = None,
-) -> NodeContext:
+) -> CallOutputs:
     """Forward ``call`` (on the model's device) attending over ``sources`` (the prefix states of ``call.sources``).
 
-    ``layout``: ``expand``, ``flex`` or ``flash``; with ``router_top_k`` the model also returns its router logits and
-    ``context.router`` sums them per node of the call; ``weight_grads``, ``keep_logits_bytes``: see
-    :class:`NodeContext`; ``recurrent``: a linear-attention hybrid's recurrent part of the call
-    (``engine/recurrent_states.py``), required when the model has recurrent layers. Returns the context
-    with ``states`` (attention module -> (key, value), each (kv_heads, T, head_dim)), ``ends`` (recurrent layer -> its
-    nodes' end states, where some node has children) and ``logps`` / ``entropy`` ((p,) float32, one per pair of
-    ``call.head_pairs``), all differentiable when grad is enabled and leaving through the model's output (see
-    ``forward/routing.py``).
+    ``settings``: the entry point's (with ``settings.router`` the model also returns its router logits, summed per
+    node of the call); ``weight_grads``, ``keep_logits_bytes``: see :class:`NodeContext`; ``recurrent``: a
+    linear-attention hybrid's recurrent part of the call (``engine/recurrent_states.py``), required when the model has
+    recurrent layers. Returns the call's :class:`CallOutputs`, all differentiable when grad is enabled and leaving
+    through the model's output (see ``forward/routing.py``).
     """
     if (recurrent is None) != (prepared.recurrent is None):
         raise ValueError(
@@ -50,15 +103,13 @@ def forward_call(
     context = NodeContext(
         call=call,
         sources=sources,
-        layout=layout,
+        settings=settings,
         needs_grad=torch.is_grad_enabled(),
         head_spec=prepared.head,
-        temperature=temperature,
-        return_entropy=return_entropy,
         weight_grads=weight_grads,
         keep_logits_bytes=keep_logits_bytes,
     )
-    extra = {"output_router_logits": True} if router_top_k is not None else {}
+    extra = {"output_router_logits": True} if settings.router is not None else {}
     if recurrent is not None:
         extra[RECURRENT_CALL_KWARG] = recurrent
     with (
@@ -82,26 +133,24 @@ def forward_call(
         raise ValueError(f"{type(prepared.causal_lm).__name__} ran no attention layer through the shared-prefix path")
     if context.route is None:
         raise ValueError(f"{type(prepared.causal_lm).__name__} did not call its lm_head inside its forward")
-    if not context.needs_grad:
-        # No backward recomputes through this call, and the walk keeps its context while descendants attend over
-        # its keys/values: its masks would stay alive for nothing.
-        context.masks.clear()
-    modules = [module for module, box in context.routes.items() if box is not None]
-    recurrent_boxes = [] if recurrent is None else _ran_every_recurrent_layer(prepared, recurrent).boxes()
-    released = release(logits, [context.routes[module] for module in modules] + recurrent_boxes + [context.route])
-    context.states = {module: (released[2 * i], released[2 * i + 1]) for i, module in enumerate(modules)}
-    head = len(released) - (2 if return_entropy else 1)
-    if recurrent is not None:
-        context.ends = recurrent.receive(released[2 * len(modules) : head])
-    context.logps = released[head]
-    context.entropy = released[head + 1] if return_entropy else None
-    if router_top_k is not None:
+    # The results as attached inside the forward, in the order they are released: their layout, then the released
+    # aliases (downstream of the model's output) in it.
+    attached = CallOutputs(
+        states={module: tuple(box.results) for module, box in context.routes.items() if box is not None},
+        ends={} if recurrent is None else _ran_every_recurrent_layer(prepared, recurrent).attached(),
+        logps=context.route.results[0],
+        entropy=context.route.results[1] if settings.return_entropy else None,
+    )
+    boxes = [box for box in context.routes.values() if box is not None]
+    boxes += ([] if recurrent is None else recurrent.boxes()) + [context.route]
+    outputs = attached.from_tensors(release(logits, boxes))
+    if settings.router is not None:
         valid = call.pack_valid
         owner = torch.arange(valid.shape[0], device=valid.device)[:, None].expand_as(valid)[valid]
         tokens = torch.arange(owner.numel(), device=owner.device)
         router_logits = getattr(output, "router_logits", None)
-        context.router = token_sums(router_logits, tokens, owner, valid.shape[0], router_top_k)
-    return context
+        outputs = replace(outputs, router=token_sums(router_logits, tokens, owner, valid.shape[0], settings.router[1]))
+    return outputs
 
 
 def _ran_every_recurrent_layer(prepared: PreparedModel, recurrent: RecurrentCall) -> RecurrentCall:

@@ -3,7 +3,7 @@ input, the state each node starts from, and which nodes hand their end state on.
 
 A recurrent layer's prefix state is its state at a node's end (``recurrent/``): it summarises every ancestor, so a
 node needs its *parent's* end state only, whatever its depth. The parent went through an earlier call, which kept
-one end state per node it forwarded (``NodeContext.ends``); the call's initial states are those rows, gathered per
+one end state per node it forwarded (``CallOutputs.ends``); the call's initial states are those rows, gathered per
 node (``RecurrentState.select``: in backward each parent row collects the gradients of all its children, which then
 flow back through the parent's call once, as the keys/values of attention layers do). Top-level nodes start from
 the state before a row's first token.

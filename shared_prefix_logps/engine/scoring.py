@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..distributed.lockstep import Lockstep
+from ..forward.context import CallSettings
 from ..model import PreparedModel
 from ..moe_router import RouterStats
 from ..output import LogpsOutput, result_zeros
@@ -19,33 +20,31 @@ from .walk import Walk
 def score_plan(
     prepared: PreparedModel,
     plan: Plan,
+    settings: CallSettings,
     *,
-    layout: str,
-    temperature: float,
-    return_entropy: bool,
     token_budget: int | None = None,
-    router: tuple[int, int] | None = None,
     lockstep: Lockstep | None = None,
 ) -> LogpsOutput:
     """The (rows, width) results of ``plan`` (its order is chosen here).
 
     Args:
-        layout: ``expand``, ``flex`` or ``flash``.
+        settings: the calls' :class:`~shared_prefix_logps.forward.context.CallSettings` (with ``router``, each row's
+            router statistics are returned too: ``out.router``).
         token_budget: without gradients, the most tokens (memory terms included, :mod:`.budget`) a chunk forwards.
-        router: ``(num_experts, top_k)`` to also return each row's router statistics (``out.router``).
         lockstep: keep the model calls in step with the other processes: without gradients the call's forwards are
             joined (:meth:`Lockstep.forwards`); with them the processes agree on the number of node calls.
     """
     if lockstep is not None and not torch.is_grad_enabled():
         with lockstep.forwards(prepared.outer):
-            return _score(prepared, plan, layout, temperature, return_entropy, token_budget, router, None)
-    return _score(prepared, plan, layout, temperature, return_entropy, token_budget, router, lockstep)
+            return _score(prepared, plan, settings, token_budget, None)
+    return _score(prepared, plan, settings, token_budget, lockstep)
 
 
-def _score(prepared, plan: Plan, layout, temperature, return_entropy, token_budget, router, lockstep) -> LogpsOutput:
+def _score(prepared, plan: Plan, settings: CallSettings, token_budget, lockstep) -> LogpsOutput:
     shape = plan.score_mask.shape
     logps = result_zeros(*shape, device=prepared.device)
-    entropy = torch.zeros_like(logps) if return_entropy else None
+    entropy = torch.zeros_like(logps) if settings.return_entropy else None
+    router = settings.router
     grad = torch.is_grad_enabled()
     if grad:
         plan = plan.in_one_chunk()
@@ -53,15 +52,12 @@ def _score(prepared, plan: Plan, layout, temperature, return_entropy, token_budg
         rows = plan.depth_first_rows()
         if router is None:  # a row without a scored position needs no forward
             rows = rows[plan.score_mask.sum(1).cpu()[rows] > 0]
-        costs = NodeCosts.of(prepared.causal_lm, prepared.device, layout)
+        costs = NodeCosts.of(prepared.causal_lm, prepared.device, settings.layout)
         plan = plan.ordered(budgeted_chunks(plan.trie, rows, token_budget or DEFAULT_TOKEN_BUDGET, costs))
     padding = None
     if grad and lockstep is not None:
         padding = agreed_depth_padding(lockstep, prepared, int(plan.trie.depth.max()) if plan.trie.num_nodes else 0)
-    top_k = None if router is None else router[1]
-    walk = Walk(
-        prepared, plan, layout=layout, temperature=temperature, return_entropy=return_entropy, router_top_k=top_k
-    )
+    walk = Walk(prepared, plan, settings)
     routed = []
     for chunk in plan.chunks:
         out = walk.forward_rows(chunk)
@@ -71,7 +67,7 @@ def _score(prepared, plan: Plan, layout, temperature, return_entropy, token_budg
             logps, entropy = out.logps, out.entropy
         else:
             logps[chunk] = out.logps
-            if return_entropy:
+            if settings.return_entropy:
                 entropy[chunk] = out.entropy
         walk.finish_rows(chunk)
     if padding is not None:  # the other processes' extra node calls, matched here by one-token forwards

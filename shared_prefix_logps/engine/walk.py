@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..forward.context import NodeContext
+from ..forward.context import CallSettings
+from ..forward.node_call import NodeCall
 from ..moe_router import RouterStats, path_sums
 from ..output import LogpsOutput, result_zeros
 from .call_planner import CallPlanner
-from .model_call import forward_call, one_token_zero
+from .model_call import CallOutputs, forward_call, one_token_zero
 from .plan import Plan
 from .recurrent_states import recurrent_call
 
@@ -34,51 +35,17 @@ class _Call:
     """A forwarded node call that is still needed.
 
     Attributes:
-        context: the call's context; ``states``/``logps``/``entropy``/``router`` hold the graph's outputs.
-        outputs: those outputs in the order of :func:`_outputs`.
+        call: the :class:`~shared_prefix_logps.forward.node_call.NodeCall` (on the host, as planned).
+        outputs: the call's :class:`~.model_call.CallOutputs`, as the graph produced them.
         used: what later calls and the chunks read: ``outputs`` themselves, or (with leaves) the same tensors cut
             from the graph, whose gradients accumulate in ``.grad``.
-        states: attention module -> (key, value) of ``used``, what descendants' calls attend over.
-        users: calls that attend over this one's states and have not back-propagated yet.
-        ends: recurrent layer -> its nodes' end states in ``used``, what the children's calls start from (empty for a
-            model without recurrent layers and for a call whose nodes have no children).
+        users: calls that attend over this one's prefix states and have not back-propagated yet.
     """
 
-    context: NodeContext
-    outputs: list
-    used: list
-    states: dict
+    call: NodeCall
+    outputs: CallOutputs
+    used: CallOutputs
     users: set = field(default_factory=set)
-    ends: dict = field(default_factory=dict)
-
-    def result(self, index: int) -> torch.Tensor | None:
-        """Item ``index`` of the call's head results in ``used``: 0 log-probs, 1 entropy, 2 router probabilities."""
-        position = self.slots.get(index)
-        return None if position is None else self.used[position]
-
-    @property
-    def slots(self) -> dict:
-        count = 2 * len(self.context.states) + sum(len(end.tensors()) for end in self.context.ends.values())
-        slots = {0: count}
-        if self.context.entropy is not None:
-            count += 1
-            slots[1] = count
-        if self.context.router is not None:
-            slots[2] = count + 1
-        return slots
-
-
-def _outputs(context: NodeContext) -> list[torch.Tensor]:
-    """What a call hands on, in a fixed order: every attention layer's key and value, every recurrent layer's end
-    states, its log-probs, then (when requested) its entropy and its nodes' router probabilities."""
-    outputs = [tensor for pair in context.states.values() for tensor in pair]
-    outputs += [tensor for end in context.ends.values() for tensor in end.tensors()]
-    outputs.append(context.logps)
-    if context.entropy is not None:
-        outputs.append(context.entropy)
-    if context.router is not None:
-        outputs.append(context.router[1])
-    return outputs
 
 
 class Walk:
@@ -87,9 +54,8 @@ class Walk:
     Args:
         prepared: the prepared model.
         plan: the call's plan (its trie, pairs, results' layout and chunks).
-        layout: ``expand``, ``flex`` or ``flash``.
-        temperature, return_entropy: as for the entry points.
-        router_top_k: also sum each call's router statistics per node (:meth:`router`).
+        settings: the entry point's :class:`~shared_prefix_logps.forward.context.CallSettings` (with ``router``, each
+            call's router statistics are summed per node: :meth:`router`).
         leaves: cut each call's outputs into leaves and back-propagate calls as they finish (the chunked backwards).
         backward: with ``leaves``, ``backward(tensors, grads)`` runs a call's backward (the driver's ``tensors``, or
             the agreement's ``backward``).
@@ -103,29 +69,23 @@ class Walk:
         self,
         prepared,
         plan: Plan,
+        settings: CallSettings,
         *,
-        layout: str,
-        temperature: float,
-        return_entropy: bool,
-        router_top_k: int | None = None,
         leaves: bool = False,
         backward=None,
         agreement=None,
         weight_grads=None,
         keep_logits_bytes: int = 0,
     ):
-        self.prepared, self.plan, self.layout = prepared, plan, layout
-        self.temperature, self.return_entropy, self.router_top_k = temperature, return_entropy, router_top_k
+        self.prepared, self.plan, self.settings = prepared, plan, settings
         self.leaves, self.backward, self.agreement = leaves, backward, agreement
         self.weight_grads, self.keep_logits_bytes = weight_grads, keep_logits_bytes
         trie = plan.trie
-        self.planner = CallPlanner(trie, plan.pairs, layout)
+        self.planner = CallPlanner(trie, plan.pairs, settings.layout)
         path = trie.row_path
         # Rows still to be processed through each node: its call may back-propagate (or be freed) once this is 0.
         self.remaining = torch.bincount(path[path >= 0], minlength=trie.num_nodes)
-        self.node_call = torch.full((trie.num_nodes,), -1, dtype=torch.long)
         self.calls: dict[int, _Call] = {}
-        self.call_nodes: dict[int, torch.Tensor] = {}
         # Row r's scored positions are pairs.of_scored[scored_start[r] : scored_start[r] + scored_count[r]].
         self.scored_count = plan.score_mask.sum(1).cpu()
         self.scored_start = torch.cumsum(self.scored_count, 0) - self.scored_count
@@ -142,7 +102,7 @@ class Walk:
         trie = self.plan.trie
         nodes = trie.row_path[rows].reshape(-1)
         nodes = torch.unique(nodes[nodes >= 0])
-        new = nodes[self.node_call[nodes] < 0]
+        new = nodes[self.planner.node_call[nodes] < 0]
         depth = trie.depth[new]
         for level in torch.unique(depth).tolist():
             self._forward(new[depth == level])
@@ -154,7 +114,7 @@ class Walk:
             + torch.arange(int(counts.sum()))
         ]
         logps = result_zeros(*score.shape, device=device)
-        entropy = torch.zeros_like(logps) if self.return_entropy else None
+        entropy = torch.zeros_like(logps) if self.settings.return_entropy else None
         position = self.pair_position[pairs].long()
         first_pair = torch.tensor(self.first_pair, dtype=torch.long)
         call_of = torch.searchsorted(first_pair, position, right=True) - 1
@@ -164,16 +124,16 @@ class Walk:
             offsets = torch.zeros(self.planner.num_calls, dtype=torch.long)
             offsets[calls] = torch.cumsum(sizes, 0) - sizes
             index = (offsets[call_of] + position - first_pair[call_of]).to(device)
-            logps = logps.masked_scatter(score, torch.cat([self.calls[c].result(0) for c in calls])[index])
-            if self.return_entropy:
-                entropy = entropy.masked_scatter(score, torch.cat([self.calls[c].result(1) for c in calls])[index])
+            logps = logps.masked_scatter(score, torch.cat([self.calls[c].used.logps for c in calls])[index])
+            if self.settings.return_entropy:
+                entropy = entropy.masked_scatter(score, torch.cat([self.calls[c].used.entropy for c in calls])[index])
         elif torch.is_grad_enabled():
             # Nothing scored: a zero result still hangs off the calls' graphs, so that a loss built from it reaches
             # every call's backward (parameters get zero gradients, as from autograd of the one graph). Rows all empty
             # make no call: a one-token forward of the model stands in (as the dense forward's rows do).
             if self.plan.trie.num_nodes == 0 and self.placeholder is None:
                 self._forward_placeholder()
-            used = [t for call in self.calls.values() for t in call.used if t.requires_grad]
+            used = [t for call in self.calls.values() for t in call.used.tensors() if t.requires_grad]
             if self.placeholder is not None:
                 used.append(self.placeholder[1])
             if used:
@@ -185,7 +145,7 @@ class Walk:
     def router(self, rows: torch.Tensor, num_experts: int) -> RouterStats:
         """The rows' router statistics: the sums of the nodes on each row's path (differentiable through the calls'
         leaves with ``leaves``; the rows' calls must still be alive)."""
-        stats = [(c.context.call.nodes, c.context.router[0], c.result(2), c.context.router[2]) for c in self._live()]
+        stats = [(c.call.nodes, *c.used.router) for c in self._live()]
         return path_sums(self.plan.trie.row_path[rows], stats, self.plan.trie.num_nodes, num_experts)
 
     def _live(self) -> list[_Call]:
@@ -198,29 +158,19 @@ class Walk:
         call_id = self.planner.num_calls - 1
         for source in call.sources:
             self.calls[source].users.add(call_id)
-        context = forward_call(
+        outputs = forward_call(
             self.prepared,
             call.to(self.prepared.device),
-            [self.calls[source].states for source in call.sources],
-            layout=self.layout,
-            temperature=self.temperature,
-            return_entropy=self.return_entropy,
-            router_top_k=self.router_top_k,
+            [self.calls[source].used.states for source in call.sources],
+            self.settings,
             weight_grads=self.weight_grads,
             keep_logits_bytes=self.keep_logits_bytes,
             recurrent=self._recurrent(nodes),
         )
-        outputs = _outputs(context)
-        used = [t.detach().requires_grad_(t.requires_grad) for t in outputs] if self.leaves else outputs
-        states = {module: (used[2 * i], used[2 * i + 1]) for i, module in enumerate(context.states)}
-        ends, position = {}, 2 * len(states)
-        for module, end in context.ends.items():
-            size = len(end.tensors())
-            ends[module] = end.from_tensors(used[position : position + size])
-            position += size
-        self.calls[call_id] = _Call(context, outputs, used, states, ends=ends)
-        self.call_nodes[call_id] = nodes
-        self.node_call[nodes] = call_id
+        used = outputs
+        if self.leaves:
+            used = outputs.from_tensors([t.detach().requires_grad_(t.requires_grad) for t in outputs.tensors()])
+        self.calls[call_id] = _Call(call, outputs, used)
         total = self.first_pair[-1] + self.head_counts[-1] if self.first_pair else 0
         self.first_pair.append(total)
         self.head_counts.append(call.head_pairs.numel())
@@ -232,7 +182,7 @@ class Walk:
             return None
         planner = self.planner
         return recurrent_call(
-            self.plan.trie, nodes, planner.node_call, planner.node_slot, lambda call: self.calls[call].ends
+            self.plan.trie, nodes, planner.node_call, planner.node_slot, lambda call: self.calls[call].used.ends
         )
 
     def _forward_placeholder(self) -> None:
@@ -260,18 +210,18 @@ class Walk:
             progress = False
             for call_id in sorted(self.calls, reverse=True):
                 live = self.calls[call_id]
-                if live.users or bool(self.remaining[self.call_nodes[call_id]].any()):
+                if live.users or bool(self.remaining[live.call.nodes].any()):
                     continue
                 if self.leaves:
                     self._backward(live)
-                for source in live.context.call.sources:
+                for source in live.call.sources:
                     self.calls[source].users.discard(call_id)
                 del self.calls[call_id]
                 progress = True
 
     def _backward(self, live: _Call) -> None:
         tensors, grads = [], []
-        for output, leaf in zip(live.outputs, live.used):
+        for output, leaf in zip(live.outputs.tensors(), live.used.tensors()):
             if output.requires_grad and leaf.grad is not None:
                 tensors.append(output)
                 grads.append(leaf.grad)

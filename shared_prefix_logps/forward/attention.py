@@ -140,11 +140,11 @@ def _node_attention(module, query, key, value, attention_mask, handle, kwargs):
             "serve repeated layers"
         )
     call, ancestors, cache = context.call, context.ancestor_states(module), context.masks
-    if context.layout == "flash":
+    if context.settings.layout == "flash":
         output = flash.node_attention(
             module, query, key, value, call, ancestors, cache, window, options, context.needs_grad
         )
-    elif context.layout == "flex":
+    elif context.settings.layout == "flex":
         output = flex.node_attention(query, key, value, call, ancestors, cache, window, options, context.needs_grad)
     else:
         output = expand.node_attention(query, key, value, call, ancestors, cache, window, options)
@@ -156,7 +156,7 @@ def _node_attention(module, query, key, value, attention_mask, handle, kwargs):
         return output, None
     box = context.routes[module] = RouteBox()
     # The keys/values leave the layer on its output, so wrappers see their gradient arrive there; the node call
-    # releases them into ``context.states`` after the forward.
+    # releases them into its outputs after the forward (``engine/model_call.py``).
     return attach(output, box, key[0], value[0]), None
 
 

@@ -28,6 +28,24 @@ _active_count = 0
 _count_lock = threading.Lock()
 
 
+@dataclass(frozen=True)
+class CallSettings:
+    """How every node call of one entry-point call runs: decided once at the entry, read by the layouts' dispatch,
+    the fused head and the model call.
+
+    Attributes:
+        layout: how the calls attend: ``expand``, ``flex`` or ``flash`` (``backends/layouts.py``).
+        temperature: logits are divided by it before the log-softmax.
+        return_entropy: also compute each scored pair's entropy.
+        router: ``(num_experts, top_k)`` of an MoE model whose router statistics are wanted, or None.
+    """
+
+    layout: str = "expand"
+    temperature: float = 1.0
+    return_entropy: bool = False
+    router: tuple[int, int] | None = None
+
+
 @dataclass(eq=False)
 class NodeContext:
     """One forward over a set of trie nodes (a :class:`~shared_prefix_logps.forward.node_call.NodeCall`).
@@ -37,46 +55,31 @@ class NodeContext:
         sources: for each call in ``call.sources``, its prefix states: attention module -> (key, value), each
             (kv_heads, tokens of that call, head_dim). A layer's *prefix state* is what its descendants need of the
             nodes a call forwarded; for attention layers their post-RoPE keys and values.
-        layout: how the call attends: ``expand``, ``flex`` or ``flash``.
+        settings: the entry point's :class:`CallSettings` (layout, temperature, entropy, router).
         needs_grad: whether the caller expects gradients.
         head_spec: the model's :class:`~shared_prefix_logps.model.HeadSpec`.
-        temperature, return_entropy: as for the entry points.
         weight_grads: the entry point's :class:`~shared_prefix_logps.engine.weight_grads.WeightGrads` (head and
             embedding weight gradients added into one buffer across its backward passes), or None.
         keep_logits_bytes: the fused head keeps its logits for backward when they take at most this many bytes (0:
             it recomputes them; see ``kernels/fused_head.py``).
         routes: attention module -> RouteBox of its prefix state of this call's tokens, riding on its output (None
-            where no later call attends over this one: ``call.keeps_states``).
-        states: filled after the forward: attention module -> (key, value), (kv_heads, T, head_dim).
-        route: RouteBox of the head's results; logps / entropy: (p,) float32 after the forward, one per head pair.
+            where no later call attends over this one: ``call.keeps_states``); the model call releases them.
+        route: RouteBox of the head's results (log-probs, then entropy when requested), one per head pair.
         masks: what the layouts build once per call (masks, kernel choices), keyed by kind and sliding window.
         finished: set once the forward has returned (later attention calls are checkpoint recomputations).
-        router: when router statistics were requested, ``(counts, probs, tokens)`` of each of the call's nodes,
-            (S, E), (S, E), (S,) float32 (see :mod:`~shared_prefix_logps.moe_router`).
-        ends: filled after the forward of a linear-attention hybrid's call whose nodes have children: recurrent
-            layer -> the call's nodes' end states (a :class:`~shared_prefix_logps.recurrent.RecurrentState`, one row
-            per node of ``call.nodes``), the prefix state of a recurrent layer; each child starts from its parent's
-            row (``engine/recurrent_states.py``).
     """
 
     call: object
     sources: list
-    layout: str
+    settings: CallSettings
     needs_grad: bool
     head_spec: object
-    temperature: float
-    return_entropy: bool
     weight_grads: object = None
     keep_logits_bytes: int = 0
     routes: dict = field(default_factory=dict)
-    states: dict = field(default_factory=dict)
     route: object = None
-    logps: torch.Tensor | None = None
-    entropy: torch.Tensor | None = None
     masks: dict = field(default_factory=dict)
     finished: bool = False
-    router: tuple | None = None
-    ends: dict = field(default_factory=dict)
 
     def ancestor_states(self, module) -> list[tuple[torch.Tensor, ...]]:
         """``module``'s prefix state of every source call, in the order of ``call.sources``."""

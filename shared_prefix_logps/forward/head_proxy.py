@@ -108,14 +108,14 @@ def _node_head_forward(proxy: HeadProxy, context, hidden_states, *args, **kwargs
         weight,
         context.call.head_targets,
         bias=bias,
-        temperature=context.temperature,
+        temperature=context.settings.temperature,
         softcap=spec.softcap,
-        return_entropy=context.return_entropy,
+        return_entropy=context.settings.return_entropy,
         chunk_size=HEAD_CHUNK_ROWS,
         keep_logits_bytes=context.keep_logits_bytes,
         weight_grad=None if grads is None or not torch.is_grad_enabled() else grads.buffer(weight),
     )
-    results = results if context.return_entropy else (results,)
+    results = results if context.settings.return_entropy else (results,)
     context.route = RouteBox()
     # The log-probs leave on the head's output (and so on the model's), where wrappers see their gradient arrive.
     return attach(hidden_states[..., :0], context.route, *results)

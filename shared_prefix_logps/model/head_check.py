@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedModelError
-from ..forward.context import CONTEXT_KWARG, ContextHandle, HeadCheckContext, NodeContext, activated
+from ..forward.context import CONTEXT_KWARG, CallSettings, ContextHandle, HeadCheckContext, NodeContext, activated
 from ..forward.head_weights import UnsupportedHeadError, head_state
 from ..forward.node_call import single_node_call
 
@@ -59,7 +59,7 @@ def verify_head(prepared) -> None:
     # model's own implementation being runnable here (a flash-attention name on a CPU tensor, say).
     call = single_node_call(ids)
     positions = call.positions
-    attend = NodeContext(call, [], "expand", False, prepared.head, 1.0, False)
+    attend = NodeContext(call=call, sources=[], settings=CallSettings(), needs_grad=False, head_spec=prepared.head)
     try:
         with torch.no_grad(), _gathered_outside_engine(prepared.causal_lm), activated(check):
             output = prepared.outer(

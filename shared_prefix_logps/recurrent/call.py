@@ -90,6 +90,13 @@ class RecurrentCall:
         other results from the same output (then :meth:`receive` what came out of them)."""
         return [self.routes[module] for module in self.routes]
 
+    def attached(self) -> dict[nn.Module, RecurrentState]:
+        """Each recurrent layer's end states as attached during the forward, in the order of :meth:`boxes` (the layout
+        a caller that releases them together with other results rebuilds them in). Sets :attr:`finished`: later
+        layer runs are activation-checkpoint recomputations."""
+        self.finished = True
+        return {module: self.layouts[module] for module in self.routes}
+
     def receive(self, released: list[torch.Tensor]) -> dict[nn.Module, RecurrentState]:
         """Each recurrent layer's end states from ``released``, the tensors released from :meth:`boxes` in order.
         Sets :attr:`ends` and :attr:`finished`."""

@@ -98,9 +98,9 @@ def test_concatenated_shares_each_prompt_once(monkeypatch):
     seen = []
     original = walk.forward_call
 
-    def recording(prepared, call, sources, **kwargs):
+    def recording(prepared, call, sources, settings, **kwargs):
         seen.append(call)
-        return original(prepared, call, sources, **kwargs)
+        return original(prepared, call, sources, settings, **kwargs)
 
     monkeypatch.setattr(walk, "forward_call", recording)
     model = build_model("llama")

@@ -6,6 +6,8 @@ its output. The shared path forwards a prompt once and must weight it by its row
 completion token too. Value within 1e-6 (float32), every parameter's gradient within 1e-4 relative.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from support.exactness import max_relative_grad_error, parameter_grads, weighted_loss
@@ -121,12 +123,13 @@ def test_a_prompt_weighted_once_instead_of_per_row_is_caught(monkeypatch):
     dense = _dense_aux(model, *_rows(prompts, pmask, comps, cmask))
     real = walk.forward_call
 
-    def once_per_prompt(prepared, call, sources, **kwargs):
-        context = real(prepared, call, sources, **kwargs)
+    def once_per_prompt(prepared, call, sources, settings, **kwargs):
+        outputs = real(prepared, call, sources, settings, **kwargs)
         if not call.sources:  # the prompts' node call
-            counts, probs, tokens = context.router
-            context.router = (counts / 4, probs / 4, tokens / 4)  # 4 rows per prompt: each row gets a quarter
-        return context
+            counts, probs, tokens = outputs.router
+            # 4 rows per prompt: each row gets a quarter
+            outputs = dataclasses.replace(outputs, router=(counts / 4, probs / 4, tokens / 4))
+        return outputs
 
     monkeypatch.setattr(walk, "forward_call", once_per_prompt)
     with torch.no_grad():

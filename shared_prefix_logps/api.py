@@ -1,20 +1,19 @@
 """The scoring entry points: ``compute_logps`` and ``compute_logps_concatenated`` (a grouped batch: prompts and the
 completions that continue them) and ``compute_logps_tree`` (rows of any shape). Each validates its inputs, prepares
-the model, builds the call's plan (``engine/plan.py``) and runs it (``engine/scoring.py``), or the dense reference."""
+the model, builds the call's plan (``engine/plan.py``) and runs it (``engine/run.py``), or the dense reference."""
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from .backends.choice import resolve_attention_backend
 from .distributed.lockstep import call_lockstep
 from .engine import merge
 from .engine.dense import dense_logps
-from .engine.plan import grouped_plan, one_token_forks, rows_plan
-from .engine.scoring import score_plan
-from .engine.sharing import deeper_sharing_pays, grouped_rows
+from .engine.plan import one_token_forks, rows_plan
+from .engine.run import grouped_call_plan, score_plan
+from .engine.sharing import grouped_rows
 from .forward.context import CallSettings
 from .inputs import GroupedBatch, check_options, check_tree_rows, group_batch, split_concatenated
 from .model import prepare_model
@@ -212,10 +211,7 @@ def score_grouped(
         )
         return LogpsOutput(logps[:, width:], None if entropy is None else entropy[:, width:], batch.completion_mask)
     steps = call_lockstep(model, lockstep, prepared.device)
-    deeper = deeper_sharing_pays(batch, two_forwards=two_forwards_only(steps))
-    plan = grouped_plan(
-        batch, deeper=deeper, merge_below=merge.MERGE_BELOW_SAVED_TOKENS, one_token_forks=one_token_forks(prepared)
-    )
+    plan = grouped_call_plan(batch, prepared, steps)
     settings = CallSettings(
         layout=resolve_attention_backend(backend, prepared.device),
         temperature=temperature,
@@ -228,12 +224,3 @@ def score_grouped(
 def _check_router_backend(router_stats: bool, backend: str) -> None:
     if router_stats and backend == "dense":
         raise ValueError("return_router_stats needs the shared path; the dense forward returns the model's aux_loss")
-
-
-def two_forwards_only(steps) -> bool:
-    """Whether a grouped call must make the same forwards as every other process without agreeing on them (with
-    gradients, several processes and no agreement of its own ``steps``: a trainer plug-in keeps the processes in step
-    and relies on it): the two-level trie then serves it, two node calls (one when no completion has a token)."""
-    if not torch.is_grad_enabled() or steps is not None:
-        return False
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1

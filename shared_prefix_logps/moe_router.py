@@ -144,3 +144,25 @@ def path_sums(paths: torch.Tensor, stats: list, num_nodes: int, num_experts: int
         gathered = per_node[paths.clamp(min=0).to(device)]
         sums.append((gathered * valid.view(*valid.shape, *(1,) * len(width))).sum(1))
     return RouterStats(*sums, num_experts)
+
+
+def in_row_order(
+    parts: list[torch.Tensor], stats: list[RouterStats], num_experts: int, *, rows: int, device
+) -> RouterStats:
+    """Statistics computed per part of the rows put back in row order.
+
+    Args:
+        parts: (k_i,) int64 row indices of each part; together they hold every row of ``range(rows)`` once.
+        stats: each part's :class:`RouterStats`, its rows in the order of ``parts[i]``.
+        num_experts: E as the model's loss uses it; rows: how many rows there are; device: where the result lives.
+
+    Returns:
+        (rows, E), (rows, E), (rows,) statistics (zeros when there is no part); ``probs`` differentiable where the
+        parts' are.
+    """
+    if not stats:
+        zeros = torch.zeros(rows, num_experts, dtype=torch.float32, device=device)
+        return RouterStats(zeros, zeros.clone(), torch.zeros(rows, dtype=torch.float32, device=device), num_experts)
+    order = torch.argsort(torch.cat([part.to(device) for part in parts]))
+    fields = (torch.cat([getattr(part, name) for part in stats])[order] for name in ("counts", "probs", "tokens"))
+    return RouterStats(*fields, num_experts)

@@ -2,9 +2,10 @@
 ``chunked_backward_tree`` (rows of any shape, in chunks of rows), forward and backward chunk by chunk so that peak
 memory does not grow with the number of rows.
 
-Both run the walk (``engine/walk.py``) with leaves: each chunk forwards the node calls its rows need, its loss is
-back-propagated onto the calls' leaves, and each node call back-propagates once every row below it is done. They
-differ only in the order of their plan's chunks. The result equals autograd of the sum of the chunk losses.
+Both build a plan, choose the order of its chunks and run it with ``engine/run.py``'s ``train_plan`` (the walk with
+leaves: each chunk forwards the node calls its rows need, its loss is back-propagated onto the calls' leaves, and each
+node call back-propagates once every row below it is done). They differ only in the order of their plan's chunks. The
+result equals autograd of the sum of the chunk losses.
 """
 
 from __future__ import annotations
@@ -14,23 +15,18 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .api import two_forwards_only
 from .backends.choice import resolve_attention_backend
-from .distributed.backward_driver import backward_chunk_loss, backward_driver
+from .distributed.backward_driver import backward_driver
 from .distributed.lockstep import call_lockstep
 from .engine import merge
-from .engine.lockstep import CallAgreement
 from .engine.model_call import one_token_zero
-from .engine.plan import Plan, generation_chunks, grouped_plan, one_token_forks, rows_plan
-from .engine.sharing import deeper_sharing_pays
-from .engine.walk import Walk
-from .engine.weight_grads import weight_grads
+from .engine.plan import generation_chunks, one_token_forks, rows_plan
+from .engine.run import grouped_call_plan, train_plan
 from .forward.context import CallSettings
 from .inputs import as_int, check_options, check_tree_rows, group_batch
-from .kernels.fused_head import keep_logits_bytes
 from .model import prepare_model
-from .moe_router import RouterStats, router_spec
-from .output import LogpsOutput, result_zeros
+from .moe_router import router_spec
+from .output import LogpsOutput
 
 
 def chunked_backward(
@@ -121,10 +117,7 @@ def chunked_backward(
     layout = resolve_attention_backend(backend, prepared.device)
     router = router_spec(prepared.causal_lm) if return_router_stats else None
     steps = call_lockstep(model, lockstep, prepared.device)
-    deeper = deeper_sharing_pays(batch, two_forwards=two_forwards_only(steps))
-    plan = grouped_plan(
-        batch, deeper=deeper, merge_below=merge.MERGE_BELOW_SAVED_TOKENS, one_token_forks=one_token_forks(prepared)
-    )
+    plan = grouped_call_plan(batch, prepared, steps)
     plan = plan.ordered(generation_chunks(num_prompts, generations, generations_per_chunk))
     settings = CallSettings(layout, float(temperature), return_entropy, router)
     return train_plan(prepared, plan, settings, loss_fn, driver=driver, steps=steps)
@@ -196,60 +189,3 @@ def _check_loss_fn(loss_fn, entry: str) -> None:
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if not torch.is_grad_enabled():
         raise RuntimeError(f"{entry} runs backward passes; call it with gradients enabled")
-
-
-def train_plan(prepared, plan: Plan, settings: CallSettings, loss_fn, *, driver, steps) -> LogpsOutput:
-    """Forward and backward ``plan``'s chunks in order (see the module); the detached (rows, width) output.
-
-    ``settings``: the calls' (with ``router``, each chunk's output gets its rows' router statistics); ``driver`` runs
-    the backward passes (``distributed/backward_driver.py``); ``steps``: the processes' agreement (every node forward
-    and backward agreed first), or None."""
-    router, return_entropy = settings.router, settings.return_entropy
-    agreement = None if steps is None else CallAgreement(steps, prepared, driver)
-    grads = weight_grads(prepared, driver)
-    walk = Walk(
-        prepared,
-        plan,
-        settings,
-        leaves=True,
-        backward=driver.tensors if agreement is None else agreement.backward,
-        agreement=agreement,
-        weight_grads=grads,
-        keep_logits_bytes=keep_logits_bytes(prepared.device),
-    )
-    logps = result_zeros(*plan.score_mask.shape, device=prepared.device)
-    entropy = torch.zeros_like(logps) if return_entropy else None
-    routed = []
-    try:
-        driver.begin()  # under DDP: every backward local, the gradients averaged once by driver.finish()
-        for chunk in plan.chunks:
-            chunk_out = walk.forward_rows(chunk)
-            if router is not None:
-                chunk_out.router = walk.router(chunk, router[0])
-                routed.append(chunk_out.router.detach())
-            loss = loss_fn(chunk_out, chunk.to(prepared.device))
-            backward_chunk_loss(
-                driver,
-                loss,
-                chunk_rows=chunk,
-                has_valid=bool(chunk_out.mask.any()),
-                logps_need_grad=chunk_out.logps.requires_grad,
-            )
-            logps[chunk] = chunk_out.logps.detach()
-            if return_entropy:
-                entropy[chunk] = chunk_out.entropy.detach()
-            del chunk_out, loss
-            walk.finish_rows(chunk)
-        if grads is not None:
-            grads.deliver()
-        if agreement is not None:
-            agreement.finish()
-        driver.finish()
-    finally:
-        driver.close()
-    out = LogpsOutput(logps, entropy, plan.score_mask)
-    if router is not None:
-        order = torch.argsort(torch.cat(list(plan.chunks))).to(prepared.device)
-        fields = (torch.cat([getattr(s, name) for s in routed])[order] for name in ("counts", "probs", "tokens"))
-        out.router = RouterStats(*fields, router[0])
-    return out

@@ -18,7 +18,7 @@ import time
 import torch
 
 from ..engine.plan import rows_plan
-from ..engine.scoring import score_plan
+from ..engine.run import score_plan
 from ..forward.context import CallSettings
 from ..inputs import check_tree_rows
 from ..model import prepare_model

@@ -30,7 +30,7 @@ def test_chunked_scoring_equals_one_pass(backend, budget):
 def _scoring_bytes(model, num_prompts, generations, budget, backend, monkeypatch):
     """(bytes the call's plan holds per scored token, peak bytes the walk's forwards add above what was live when it
     started) of a no-grad call on unpadded rows (every chunk of one shape: only their number changes)."""
-    from shared_prefix_logps.engine import scoring
+    from shared_prefix_logps.engine import run
 
     gen = torch.Generator().manual_seed(9)
     prompts = torch.randint(0, 101, (num_prompts, 24), generator=gen)
@@ -38,14 +38,14 @@ def _scoring_bytes(model, num_prompts, generations, budget, backend, monkeypatch
     tracker = LiveTensorBytes()
     at_walk = {}
 
-    class Walk(scoring.Walk):
+    class Walk(run.Walk):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             at_walk["live"] = tracker.live
             tracker.peak = tracker.live  # from here on: what the forwards add
 
     with monkeypatch.context() as patch:
-        patch.setattr(scoring, "Walk", Walk)
+        patch.setattr(run, "Walk", Walk)
         with torch.no_grad(), tracker:
             compute_logps(model, prompts, comps, token_budget=budget, backend=backend)
     return at_walk["live"] / comps.numel(), tracker.peak - at_walk["live"]

@@ -167,7 +167,7 @@ def test_with_gradients_and_several_processes_without_agreement_the_two_level_tr
     gradients (joined), the deeper trie may serve."""
     import torch.distributed as dist
 
-    from shared_prefix_logps.api import two_forwards_only
+    from shared_prefix_logps.engine.run import two_forwards_only
 
     model = build_model("llama")
     ids, mask, keep = _trainer_rows()

@@ -137,7 +137,7 @@ def test_a_compiler_and_a_working_trial_launch_mean_triton(fresh_probe):
 def test_auto_attention_is_expand_where_triton_kernels_cannot_launch(fresh_probe, compiler):
     """inductor's flex_attention kernels are Triton kernels launched like the fused head's: where the trial launch
     fails, ``auto`` must not pick flex (every layer would fail at its first launch), and ``flex`` is refused by name."""
-    from shared_prefix_logps.api import resolve_attention_backend
+    from shared_prefix_logps.backends.choice import resolve_attention_backend
 
     cuda = torch.device("cuda")
     fresh_probe.setattr(launch_probe, "find_c_compiler", lambda: compiler)

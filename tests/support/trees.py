@@ -127,17 +127,16 @@ def spy_searched_plans(on_call, setattr=setattr) -> None:
     """Call ``on_call(batch)`` for every grouped call (``compute_logps``, ``compute_logps_concatenated``,
     ``chunked_backward``) whose plan takes the trie searched from its rows (deeper sharing) instead of the two-level
     one; ``setattr`` installs the spy (``monkeypatch.setattr`` in a test, plain ``setattr`` in a spawned process)."""
-    from shared_prefix_logps import api, training
+    from shared_prefix_logps.engine import run
 
-    original = api.grouped_plan
+    original = run.grouped_plan
 
     def spy(batch, *, deeper, **options):
         if deeper:
             on_call(batch)
         return original(batch, deeper=deeper, **options)
 
-    setattr(api, "grouped_plan", spy)
-    setattr(training, "grouped_plan", spy)
+    setattr(run, "grouped_plan", spy)
 
 
 def spy_tree_calls(monkeypatch) -> list[int]:

@@ -40,7 +40,7 @@ import contextlib
 import torch
 
 from ...api import compute_logps_concatenated
-from ...moe_router import RouterStats
+from ...moe_router import RouterStats, in_row_order
 from ...output import result_zeros
 from ...training import chunked_backward
 from ..common.ddp import average_gradients, unwrap_ddp
@@ -292,11 +292,8 @@ class ChunkedStep:
             patch.stats.chunked_calls += 1
         router = None
         if routed:
-            order = torch.argsort(torch.cat(routed_rows))
-            fields = (
-                torch.cat([getattr(stats, name) for stats in routed])[order] for name in ("counts", "probs", "tokens")
-            )
-            router = RouterStats(*fields, routed[0].num_experts)
+            rows = completion_ids.shape[0]
+            router = in_row_order(routed_rows, routed, routed[0].num_experts, rows=rows, device=logps.device)
         return logps, entropies, total, router
 
     def _padded_chunked_backward(self, forward_model, inputs, loss_of_rows, logps, entropies, scale, scaler):

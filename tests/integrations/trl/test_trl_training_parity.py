@@ -27,7 +27,7 @@ if version("trl").startswith("1.15.") and not torch.cuda.is_available() and os.e
 
 from support.trl_tiny import PROMPTS, WORDS, build_model, make_trainer, record_training, scripted_generate  # noqa: E402
 
-from shared_prefix_logps import api, training  # noqa: E402
+from shared_prefix_logps.engine import run  # noqa: E402
 from shared_prefix_logps.integrations.trl import patch_grpo_trainer  # noqa: E402
 
 STEPS = 20
@@ -51,14 +51,14 @@ def _train(tmp_path, monkeypatch, dataset: str, mode: str | None):
     """(record, patch handle or None, calls that shared the system prompt) of one 20-step run."""
     scripted_generate(monkeypatch, truncated_calls=set())
     tree_calls = []  # grouped calls that took the searched trie (the system prompt one node, one level deeper)
-    for module in (api, training):
+    pays = run.deeper_sharing_pays
 
-        def spy(*args, _pays=module.deeper_sharing_pays, **kwargs):
-            deeper = _pays(*args, **kwargs)
-            tree_calls.extend([1] if deeper else [])
-            return deeper
+    def spy(*args, **kwargs):
+        deeper = pays(*args, **kwargs)
+        tree_calls.extend([1] if deeper else [])
+        return deeper
 
-        monkeypatch.setattr(module, "deeper_sharing_pays", spy)
+    monkeypatch.setattr(run, "deeper_sharing_pays", spy)
     trainer = make_trainer(tmp_path, model=_model(), prompts=DATASETS[dataset], **SETTINGS)
     patch = None if mode is None else patch_grpo_trainer(trainer, mode=mode, generations_per_chunk=2)
     return record_training(trainer), patch, len(tree_calls)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .backends.layouts import LAYOUT_NAMES
+
 
 @dataclass(frozen=True)
 class GroupedBatch:
@@ -66,8 +68,9 @@ class TreeRows:
         return self.input_ids.gather(1, columns).masked_fill(inner[None, :] >= self.lengths[:, None], 0)
 
 
-#: Backends of the completion attention. ``auto`` picks the best one available on the model's device.
-ATTENTION_BACKENDS = ("auto", "expand", "flex", "flash", "dense")
+#: What ``backend=`` may be: ``auto`` (the best layout available on the model's device), every attention layout of the
+#: table (``backends/layouts.py``), and ``dense``, the full-row reference.
+ATTENTION_BACKENDS = ("auto", *LAYOUT_NAMES, "dense")
 
 
 def as_number(name: str, value) -> float:

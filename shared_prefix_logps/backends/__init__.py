@@ -1,5 +1,6 @@
-"""The attention layouts of a node call, one module each, chosen by the ``backend`` option
-(``inputs.ATTENTION_BACKENDS``, resolved by ``choice``), each serving every depth of the trie:
+"""The attention layouts of a node call, one module each, listed in one table (``layouts``) and chosen by the
+``backend`` option (``inputs.ATTENTION_BACKENDS``, derived from the table, resolved by ``choice``), each serving
+every depth of the trie:
 
 - ``expand``: each node a row attending with SDPA over its ancestors' gathered keys/values (any device; CPU's
   default);
@@ -9,6 +10,7 @@
   log-sum-exp (no mask, no copy of an ancestor).
 
 They are called from inside the model's forward by ``forward/attention.py`` and import nothing from it: what a
-layout reads arrives as arguments (the node call, its ancestors' keys/values, the call's cache). ``backend="dense"``
+layout reads arrives as arguments (the layer's queries, keys and values, and a ``layouts.LayerCall``: the node call,
+its ancestors' keys/values, the call's cache, the layer's window and options). ``backend="dense"``
 is the reference the entry points run instead (``engine/dense.py``).
 """

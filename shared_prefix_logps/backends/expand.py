@@ -34,6 +34,7 @@ import torch.utils.checkpoint
 
 from . import sdpa_kernels
 from .expand_memory import AttentionShape, check_explicit_scores, padded_width
+from .layouts import LayerCall
 
 
 def cached(cache: dict, key, build):
@@ -44,21 +45,29 @@ def cached(cache: dict, key, build):
     return cache[key]
 
 
-def node_attention(query, key, value, call, ancestors, cache: dict, window, options) -> torch.Tensor:
+#: The optional node-call fields this layout reads (``layouts.py``): each node's ancestor tokens in the store.
+CALL_FIELDS = ("ancestor_index", "ancestor_valid")
+
+
+def unavailable(device: torch.device, needs_grad: bool) -> str | None:
+    """None: SDPA runs on every device, with gradients or without."""
+    return None
+
+
+def node_attention(query, key, value, layer: LayerCall) -> torch.Tensor:
     """transformers-layout attention output (1, T, heads, v_head_dim) of a node call.
 
     Args:
         query: (1, heads, T, head_dim); key/value: (1, kv_heads, T, head_dim), post-RoPE, packed.
-        call: the :class:`~shared_prefix_logps.forward.node_call.NodeCall` (``pack_index``, ``pack_valid``,
-            ``ancestor_index``, ``ancestor_valid``, ``positions``).
-        ancestors: each source call's (key, value), (kv_heads, tokens, head_dim), in ``call.sources`` order.
-        cache: the call's cache of masks; window: the layer's sliding window or None; options: as for
-            :func:`masked_attention`.
+        layer: the layer's :class:`~.layouts.LayerCall`: ``call`` (``pack_index``, ``pack_valid``, ``ancestor_index``,
+            ``ancestor_valid``, ``positions``), ``ancestors``, ``cache`` (the call's masks), ``window``, ``options`` (as
+            for :func:`masked_attention`).
 
     The gathered (S, kv_heads, A + Lmax, head_dim) copies are per node; on the fused-kernel path with gradients they
     are not saved for backward, where every layer's would be held at once: the gather and the attention are
     recomputed in backward from the packed and stored keys/values.
     """
+    call, ancestors, cache, window, options = layer.call, layer.ancestors, layer.cache, layer.window, layer.options
     rows, index = call.pack_index, call.ancestor_index
     store = None
     if ancestors:

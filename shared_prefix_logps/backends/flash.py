@@ -35,6 +35,7 @@ import torch.nn.functional as F
 
 from . import flash_kernels, flex
 from .expand import cached
+from .layouts import LayerCall
 
 
 def available(device: torch.device) -> bool:
@@ -164,18 +165,30 @@ def _flex_reason(kernels, query, value, options, call, cache, window) -> str | N
     return reason
 
 
-def node_attention(module, query, key, value, call, ancestors, cache: dict, window, options, needs_grad: bool):
+#: The optional node-call fields this layout reads (``layouts.py``): the call's queries in runs per ancestor level.
+#: (Layers it hands to ``flex`` read nothing more.)
+CALL_FIELDS = ("levels",)
+
+
+def unavailable(device: torch.device, needs_grad: bool) -> str | None:
+    """Why ``backend='flash'`` cannot run on ``device`` (None: it can): flash-attn's varlen kernels must be there
+    (installed, or substituted). Layers it hands to ``flex`` are checked when they run."""
+    return None if available(device) else unavailable_reason(device)
+
+
+def node_attention(query, key, value, layer: LayerCall):
     """(1, T, heads, v_head_dim) for a node call's packed (1, heads, T, head_dim) queries and (1, kv_heads, T,
-    head_dim) keys; ``ancestors``, ``cache`` and ``needs_grad`` as for :func:`.flex.node_attention`."""
+    head_dim) keys; ``layer`` as for :func:`.flex.node_attention`."""
+    call, ancestors, cache, window, options = layer.call, layer.ancestors, layer.cache, layer.window, layer.options
     kernels = _kernels(query)
     reason = _flex_reason(kernels, query, value, options, call, cache, window)
     if reason is not None:
-        if needs_grad and not flex.backward_available(query.device):
+        if layer.needs_grad and not flex.backward_available(query.device):
             raise ValueError(
-                f"backend='flash' cannot serve a layer ({type(module).__name__}: {reason}) and the flex backend it "
-                f"would go to has no backward on {query.device.type}; use backend='expand'"
+                f"backend='flash' cannot serve a layer ({type(layer.module).__name__}: {reason}) and the flex backend "
+                f"it would go to has no backward on {query.device.type}; use backend='expand'"
             )
-        return flex.node_attention(query, key, value, call, ancestors, cache, window, options, needs_grad)
+        return flex.node_attention(query, key, value, layer)
     parts, kv = [], []
     own = cached(cache, ("flash-own",), lambda: Varlen.of(*(call.pack_valid.sum(1),) * 2))
     own_window = -1

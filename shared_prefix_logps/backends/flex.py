@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from .expand import cached
 from .flex_blocks import BLOCK_SIZE, Links, Segments, concat_segments, run_segments, structured_block_mask
 from .flex_kernel_options import kernel_options
+from .layouts import LayerCall
 from .non_finite import NonFiniteGuard
 
 #: Packed lengths are padded up to a multiple of this inside the attention call: the block size of the masks.
@@ -263,16 +264,40 @@ def _score_mod(softcap):
     return soft_cap
 
 
-def node_attention(query, key, value, call, ancestors, cache: dict, window, options, needs_grad: bool) -> torch.Tensor:
+#: The optional node-call fields this layout reads (``layouts.py``): none, the trie's structure of every call suffices.
+CALL_FIELDS = ()
+
+
+def unavailable(device: torch.device, needs_grad: bool) -> str | None:
+    """Why ``backend='flex'`` cannot run on ``device`` in this grad mode (None: it can): torch's flex_attention must
+    exist there, its compiled kernels launch, and with gradients its backward exist (CUDA only)."""
+    if not flex_available(device):
+        return f"backend='flex' needs torch's flex_attention on {device.type}"
+    if not compiled_kernels_launch(device):
+        from ..kernels.launch_probe import cuda_launch_status
+
+        return (
+            "backend='flex' compiles flex_attention into Triton kernels, which cannot launch here "
+            f"({cuda_launch_status(device).reason}); use backend='expand'"
+        )
+    if needs_grad and not backward_available(device):
+        return (
+            "backend='flex' has no backward on CPU (torch's flex_attention); use backend='expand', or call "
+            "under torch.no_grad() for scoring"
+        )
+    return None
+
+
+def node_attention(query, key, value, layer: LayerCall) -> torch.Tensor:
     """(1, T, heads, v_head_dim) for a node call's packed (1, heads, T, head_dim) queries and (1, kv_heads, T,
     head_dim) keys, attending over ``[every token of the ancestor store ; the call's own tokens]`` in one
     flex_attention call under a BlockMask built from the trie's structure (:func:`node_block_mask`).
 
-    ``ancestors``: each source call's (key, value), (kv_heads, tokens, head_dim), in ``call.sources`` order (the
-    store is their concatenation); ``cache``: the call's; ``needs_grad``: the caller expects gradients (the mask then
-    holds the indices flex's backward reads). Dropout is refused; head dimensions below the kernel's minimum are
-    zero-padded; sinks are applied from the log-sum-exp.
+    ``layer``: the layer's :class:`~.layouts.LayerCall` (its ``ancestors`` concatenated are the store; with
+    ``needs_grad`` the mask also holds the indices flex's backward reads). Dropout is refused; head dimensions below
+    the kernel's minimum are zero-padded; sinks are applied from the log-sum-exp.
     """
+    call, ancestors, window, needs_grad = layer.call, layer.ancestors, layer.window, layer.needs_grad
     n = query.shape[2]
     if ancestors:
         key = torch.cat([*(k[None] for k, _ in ancestors), key], dim=2)
@@ -285,8 +310,8 @@ def node_attention(query, key, value, call, ancestors, cache: dict, window, opti
         with torch.no_grad():
             return node_block_mask(call, window, q_len, kv_len, q_blocks=q_blocks)
 
-    mask = cached(cache, ("flex", window), build)
-    return _attend(query, key, value, mask, q_len, n, options, kv_len=kv_len)
+    mask = cached(layer.cache, ("flex", window), build)
+    return _attend(query, key, value, mask, q_len, n, layer.options, kv_len=kv_len)
 
 
 def _attend(query, key, value, block_mask, q_len, n, options, kv_len=None):

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..backends import layouts
 from ..backends.expand import on_fused_path, repeats_kv_heads
 from ..backends.expand_memory import AttentionShape, mask_bytes, node_bytes
 from .trie import PrefixTrie
@@ -46,7 +47,7 @@ class NodeCosts:
     @classmethod
     def of(cls, causal_lm: torch.nn.Module, device: torch.device, layout: str) -> NodeCosts:
         """The costs of ``causal_lm``'s nodes on ``device`` with ``layout``."""
-        if layout != "expand":
+        if not layouts.layout(layout).padded:
             return cls(None)
         shape = AttentionShape.of_model(causal_lm)
         if not on_fused_path(device) or shape.kv_heads == shape.heads:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backends.layouts import layout_module
 from ..forward.node_call import FlashLevel, NodeCall
 from .trie import PrefixTrie
 
@@ -46,12 +47,22 @@ def scored_pairs(trie: PrefixTrie, row: torch.Tensor, position: torch.Tensor, ta
     return ScoredPairs(hidden_token=hidden[first], target=target[first], of_scored=inverse.int())
 
 
+#: The fields of a :class:`~..forward.node_call.NodeCall` that only some layouts read, built where the layout's
+#: ``CALL_FIELDS`` name them (``backends/layouts.py``).
+_OPTIONAL_FIELDS = ("ancestor_index", "ancestor_valid", "levels")
+
+
 class CallPlanner:
     """Plans the node calls of one trie one after another, remembering which call holds each node (all bookkeeping is
     per node and per pair: nothing per trie token or per row is kept)."""
 
     def __init__(self, trie: PrefixTrie, pairs: ScoredPairs, layout: str = "expand"):
         self.trie, self.pairs, self.layout = trie, pairs, layout
+        # The optional fields of a call that the layout reads (``CALL_FIELDS`` of its module): only these are built.
+        self.reads = tuple(layout_module(layout).CALL_FIELDS)
+        unknown = [name for name in self.reads if name not in _OPTIONAL_FIELDS]
+        if unknown:
+            raise ValueError(f"layout {layout!r} reads node-call fields the planner does not build: {unknown}")
         self.node_call = torch.full((trie.num_nodes,), -1, dtype=torch.long)
         self.node_local = torch.full((trie.num_nodes,), -1, dtype=torch.long)  # its first token's index in its call
         self.node_slot = torch.full((trie.num_nodes,), -1, dtype=torch.long)  # its index among its call's nodes
@@ -119,11 +130,12 @@ class CallPlanner:
         head_index = self.node_local[pair_node] + self.pairs.hidden_token[head_pairs] - trie.node_offset[pair_node]
         store_nodes = torch.cat([self.call_nodes[s] for s in sources]) if sources else nodes[:0]
         store_node, store_order = self._runs(store_nodes)
-        extra = {}
-        if self.layout == "expand":
-            extra = dict(ancestor_index=store_index, ancestor_valid=ancestor_valid)
-        elif self.layout == "flash":
-            extra = dict(levels=self._levels(nodes, lengths, store_index))
+        optional = {
+            "ancestor_index": lambda: store_index,
+            "ancestor_valid": lambda: ancestor_valid,
+            "levels": lambda: self._levels(nodes, lengths, store_index),
+        }
+        extra = {name: optional[name]() for name in self.reads}
         return NodeCall(
             nodes=nodes,
             input_ids=trie.tokens[trie.node_offset[query_node] + query_order][None],

@@ -5,9 +5,10 @@ transformers calls it from every attention layer with post-RoPE ``query`` (batch
 
 - no context: the model's original implementation, untouched (generation and plain forwards);
 - a :class:`~.context.NodeContext`: a node call's packed tokens attend over their ancestors' keys/values and causally
-  over their own node, computed by the call's layout (``backends/``): ``expand`` (SDPA over per-node gathered keys),
-  ``flex`` (one ``flex_attention`` call under a mask from the trie's structure) or ``flash`` (flash-attn's varlen
-  kernels, one part per ancestor level merged by log-sum-exp). Each layer's keys/values leave on its output.
+  over their own node, computed by the call's layout, looked up in the layout table (``backends/layouts.py``):
+  ``expand`` (SDPA over per-node gathered keys), ``flex`` (one ``flex_attention`` call under a mask from the trie's
+  structure) or ``flash`` (flash-attn's varlen kernels, one part per ancestor level merged by log-sum-exp). Each
+  layer's keys/values leave on its output.
 
 The registry entries transformers looks these functions up under, and the mask builder beside them, are here too.
 """
@@ -18,7 +19,7 @@ import sys
 
 import torch
 
-from ..backends import expand, flash, flex
+from ..backends.layouts import LayerCall, layout_module
 from .context import CONTEXT_KWARG, ContextHandle, NodeContext, active_context
 from .routing import RouteBox, attach
 
@@ -139,15 +140,17 @@ def _node_attention(module, query, key, value, attention_mask, handle, kwargs):
             "than once in the model's layers); the shared-prefix path records keys/values per layer and cannot "
             "serve repeated layers"
         )
-    call, ancestors, cache = context.call, context.ancestor_states(module), context.masks
-    if context.settings.layout == "flash":
-        output = flash.node_attention(
-            module, query, key, value, call, ancestors, cache, window, options, context.needs_grad
-        )
-    elif context.settings.layout == "flex":
-        output = flex.node_attention(query, key, value, call, ancestors, cache, window, options, context.needs_grad)
-    else:
-        output = expand.node_attention(query, key, value, call, ancestors, cache, window, options)
+    call = context.call
+    layer = LayerCall(
+        module=module,
+        call=call,
+        ancestors=context.ancestor_states(module),
+        cache=context.masks,
+        window=window,
+        options=options,
+        needs_grad=context.needs_grad,
+    )
+    output = layout_module(context.settings.layout).node_attention(query, key, value, layer)
     if context.finished:
         # An activation-checkpoint recomputation in backward: the recorded keys/values are already in the graph.
         return output, None

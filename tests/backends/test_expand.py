@@ -15,6 +15,7 @@ from support.trees import pad_rows, planned_node_calls, random_tree_rows, star_b
 
 from shared_prefix_logps import chunked_backward, compute_logps, compute_logps_tree
 from shared_prefix_logps.backends import expand, sdpa_kernels
+from shared_prefix_logps.backends.layouts import LayerCall
 from shared_prefix_logps.bench.memory import LiveTensorBytes
 
 HEAD_DIM = 8  # the tiny models' head size; the SDPA priority probe's own call has 64
@@ -63,7 +64,8 @@ def test_node_attention_in_float64(fused, softcap, window, monkeypatch):
     query, key, value = rand(1, heads, n, dim), rand(1, kv_heads, n, dim), rand(1, kv_heads, n, dim)
     ancestors = [(rand(kv_heads, size, dim), rand(kv_heads, size, dim)) for size in sizes]
     options = dict(scaling=0.3, softcap=softcap, dropout=0.0)
-    ours = expand.node_attention(query, key, value, call, ancestors, {}, window, options)
+    layer = LayerCall(None, call, ancestors, {}, window, options, needs_grad=True)
+    ours = expand.node_attention(query, key, value, layer)
     keys = torch.cat([*(k for k, _ in ancestors), key[0]], 1).repeat_interleave(heads // kv_heads, 0)
     values = torch.cat([*(v for _, v in ancestors), value[0]], 1).repeat_interleave(heads // kv_heads, 0)
     scores = query[0] @ keys.transpose(1, 2) * 0.3

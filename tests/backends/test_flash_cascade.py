@@ -12,6 +12,7 @@ from support.trees import planned_node_calls, random_tree_rows, token_visibility
 
 from shared_prefix_logps.backends import flash
 from shared_prefix_logps.backends.flash_kernels import substituted
+from shared_prefix_logps.backends.layouts import LayerCall
 
 
 def plain_attention(q, k, v, visible, scale, softcap=0.0):
@@ -105,7 +106,8 @@ def test_merged_parts_match_plain_attention_forward_and_backward(softcap, rows_p
         ancestors = [(rand(kv_heads, size, dim), rand(kv_heads, size, dim)) for size in sizes]
         options = dict(scaling=0.3, softcap=softcap, dropout=0.0)
         with substituted(REFERENCE):
-            ours = flash.node_attention(None, query, key, value, call, ancestors, {}, None, options, True)[0]
+            layer = LayerCall(None, call, ancestors, {}, None, options, needs_grad=True)
+            ours = flash.node_attention(query, key, value, layer)[0]
         keys = torch.cat([*(k for k, _ in ancestors), key[0]], 1).transpose(0, 1)
         values = torch.cat([*(v for _, v in ancestors), value[0]], 1).transpose(0, 1)
         q = query[0].transpose(0, 1)

@@ -21,6 +21,7 @@ from support.trees import grouped_batch_calls, pad_rows, planned_node_calls, ran
 from shared_prefix_logps import compute_logps, compute_logps_tree
 from shared_prefix_logps.backends import flex
 from shared_prefix_logps.backends.flex_blocks import Links, Segments, segments_of, structured_block_mask
+from shared_prefix_logps.backends.layouts import LayerCall
 from shared_prefix_logps.bench.memory import LiveTensorBytes
 from shared_prefix_logps.engine.call_planner import CallPlanner, ScoredPairs
 from shared_prefix_logps.engine.trie import grouped_trie, levels
@@ -229,7 +230,9 @@ def test_a_million_query_mask_builds_in_seconds_and_memory_proportional_to_its_b
     tracker = LiveTensorBytes()
     start = time.perf_counter()
     with torch.no_grad(), tracker:
-        flex.node_attention(query, query, query, call, [(store, store)], {}, None, {}, needs_grad=False)
+        flex.node_attention(
+            query, query, query, LayerCall(None, call, [(store, store)], {}, None, {}, needs_grad=False)
+        )
     seconds = time.perf_counter() - start
     mask = built["mask"]
 

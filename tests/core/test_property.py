@@ -34,6 +34,7 @@ from shared_prefix_logps import (
     compute_logps_concatenated,
     compute_logps_tree,
 )
+from shared_prefix_logps.backends.layouts import LAYOUT_NAMES
 from shared_prefix_logps.forward import head_proxy
 
 # Optional (a dev extra): without it this module is reported skipped instead of failing collection, which would stop
@@ -60,6 +61,7 @@ TREE = ("tree",)
 # Examples per route: eager flex_attention on CPU costs ~0.2-0.5 s per call (and a tiny token budget makes many).
 SCORING_EXAMPLES = {"expand": 120, "flex": 25, "flash": 25}
 TREE_SCORING_EXAMPLES = {"expand": 40, "flex": 15, "flash": 15}
+DEFAULT_EXAMPLES = 15
 GRAD_EXAMPLES = {"tensors": 100, "lists": 100, "concatenated": 100, "chunked_backward": 120}
 TREE_GRAD_EXAMPLES = {"tree": 40, "chunked_backward_tree": 60}
 
@@ -360,11 +362,12 @@ def _scoring_test(entry: str, backend: str, examples: int):
     return check
 
 
-# Each route gets its own examples: Hypothesis spends many of a shared budget on variants of one example.
-@pytest.mark.parametrize("backend", ["expand", "flex", "flash"])
+# Each route gets its own examples: Hypothesis spends many of a shared budget on variants of one example. Every layout
+# of the table runs (a new one gets the default examples).
+@pytest.mark.parametrize("backend", LAYOUT_NAMES)
 @pytest.mark.parametrize("entry", [*GROUPED, *TREE])
 def test_scoring_matches_dense(entry, backend):
-    examples = (TREE_SCORING_EXAMPLES if entry in TREE else SCORING_EXAMPLES)[backend]
+    examples = (TREE_SCORING_EXAMPLES if entry in TREE else SCORING_EXAMPLES).get(backend, DEFAULT_EXAMPLES)
     _scoring_test(entry, backend, examples)()
 
 

@@ -17,6 +17,7 @@ from support.trees import grouped_batch_calls, planned_node_calls, random_tree_r
 
 from shared_prefix_logps import compute_logps
 from shared_prefix_logps.backends import flex
+from shared_prefix_logps.backends.layouts import LayerCall
 
 pytestmark = [
     pytest.mark.gpu,
@@ -87,7 +88,9 @@ def test_a_million_query_mask_builds_in_seconds_on_cuda(monkeypatch):
     torch.cuda.synchronize()
     start = time.perf_counter()
     with torch.no_grad():
-        flex.node_attention(query, query, query, call, [(store, store)], {}, None, {}, needs_grad=False)
+        flex.node_attention(
+            query, query, query, LayerCall(None, call, [(store, store)], {}, None, {}, needs_grad=False)
+        )
     torch.cuda.synchronize()
     assert time.perf_counter() - start <= 10
     per_row = completion // 128

@@ -1,14 +1,17 @@
 """The ``backend`` values every plug-in accepts, in one place.
 
-The plug-ins offer ``auto`` and the layouts their tests run them with (``expand``, ``flex``); ``flash`` is not
-offered through them yet (no plug-in test runs it: it needs CUDA and flash-attn). ``dense`` is the reference, not a
+The plug-ins offer ``auto`` and the layouts their tests run them with (``expand``, ``flex``: ``plugins=True`` in the
+layout table, ``backends/layouts.py``); ``flash`` is not offered through them yet (no plug-in test runs it: it needs
+CUDA and flash-attn). ``dense`` is the reference, not a
 layout: a user who wants the trainer's own forward switches the plug-in off.
 """
 
 from __future__ import annotations
 
-#: What a plug-in's ``backend`` option may be.
-PLUGIN_BACKENDS = ("auto", "expand", "flex")
+from ...backends.layouts import LAYOUTS
+
+#: What a plug-in's ``backend`` option may be: ``auto`` and the layouts the table offers to plug-ins.
+PLUGIN_BACKENDS = ("auto", *(layout.name for layout in LAYOUTS if layout.plugins))
 
 
 def check_plugin_backend(value: str, name: str = "backend") -> str:

@@ -1,6 +1,7 @@
 """No module of the package imports another module's private names: what modules share is public API."""
 
 import ast
+import re
 from pathlib import Path
 
 import shared_prefix_logps
@@ -101,6 +102,77 @@ def test_the_circle_finder_finds_a_circle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _circles(graph) == [["a", "b", "c"]]
     assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+ARCHITECTURE = PACKAGE.parent / "ARCHITECTURE.md"
+
+#: The package's parts outside the core: tools built on it, which ARCHITECTURE.md's layering leaves out.
+OUTSIDE_CORE = ("bench", "plan", "integrations", "losses", "cli")
+
+
+def documented_floors(text: str) -> dict[str, int]:
+    """ARCHITECTURE.md's layering list as floors: each numbered line's backticked names (``kernels/`` a package,
+    ``api`` a module) mapped to the line's number."""
+    section = text.split("Layering of the core, bottom to top", 1)[1].split("\n\nTests mirror", 1)[0]
+    floors = {}
+    for match in re.finditer(r"^(\d+)\. (.*)$", section, flags=re.MULTILINE):
+        for name in re.findall(r"`([^`]+)`", match.group(2).split(":", 1)[0]):
+            floors[name.rstrip("/")] = int(match.group(1))
+    return floors
+
+
+def floor_of(module: str, floors: dict[str, int]) -> int | None:
+    """The floor of ``module`` (``shared_prefix_logps.engine.walk``): its first part below the package, or the package
+    itself; None for the parts outside the core."""
+    parts = module.split(".")[1:]
+    name = parts[0] if parts else "shared_prefix_logps"
+    return floors.get(name)
+
+
+def upward_imports(graph: dict[str, set[str]], floors: dict[str, int]) -> list[str]:
+    """Every import from a core module to one on a higher floor, or to a part outside the core."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        floor = floor_of(module, floors)
+        if floor is None:
+            continue
+        for target in sorted(targets):
+            target_floor = floor_of(target, floors)
+            if target_floor is None or target_floor > floor:
+                found.append(f"{module} (floor {floor}) imports {target} (floor {target_floor})")
+    return found
+
+
+def test_every_core_module_is_on_a_documented_floor():
+    floors = documented_floors(ARCHITECTURE.read_text())
+    assert len(set(floors.values())) >= 8, floors
+    unplaced = sorted(
+        {module.split(".")[1] for module in import_graph() if "." in module}
+        - set(floors)
+        - set(OUTSIDE_CORE)
+        - {"__main__"}
+    )
+    assert not unplaced, f"modules of the package on no floor of ARCHITECTURE.md's layering: {unplaced}"
+
+
+def test_no_import_runs_up_the_floors():
+    found = upward_imports(import_graph(), documented_floors(ARCHITECTURE.read_text()))
+    assert not found, "imports against ARCHITECTURE.md's layering:\n" + "\n".join(found)
+
+
+def test_the_floor_check_finds_an_import_up():
+    """The check itself: an import from a lower floor to a higher one, and from the core to a tool, are reported."""
+    floors = {"model": 7, "engine": 9, "forward": 5}
+    graph = {
+        "shared_prefix_logps.model.head_check": {"shared_prefix_logps.engine.call_planner"},
+        "shared_prefix_logps.engine.walk": {"shared_prefix_logps.forward.context", "shared_prefix_logps.bench.x"},
+        "shared_prefix_logps.bench.x": {"shared_prefix_logps.engine.walk"},
+    }
+    found = upward_imports(graph, floors)
+    assert found == [
+        "shared_prefix_logps.engine.walk (floor 9) imports shared_prefix_logps.bench.x (floor None)",
+        "shared_prefix_logps.model.head_check (floor 7) imports shared_prefix_logps.engine.call_planner (floor 9)",
+    ]
 
 
 def test_one_cli_module_that_no_module_imports():

@@ -254,8 +254,8 @@ def normalize_completions(
 
 def check_rope_length(model, row_width: int) -> None:
     """Refuse rows longer than the model's RoPE serves with length-independent frequencies (see
-    :func:`~shared_prefix_logps.model.discovery.rope_length_limit`): there the two phases would rotate the prompt's
-    keys and the completion's queries with other frequencies than the model's full-row forward."""
+    :func:`~shared_prefix_logps.model.discovery.rope_length_limit`): there the node calls would rotate a prefix's
+    keys and its continuations' queries with other frequencies than the model's full-row forward."""
     limit = getattr(model, "rope_length_limit", None)
     if limit is not None and row_width > limit:
         from .errors import UnsupportedModelError

@@ -19,7 +19,7 @@ the call. Three of its rules shape what the library does instead of fixing an or
   cuDNN, but before cuDNN in torch's default order (torch keeps cuDNN last there on purpose: older cuDNN versions
   mishandled some sequence lengths), so a call the fused kernels ahead of it reject runs on math, as torch would run
   it, not on cuDNN. Decisions are cached per call signature (device, dtypes, shapes, strides, mask layout, causal
-  flag, gradients), which every layer of a phase shares.
+  flag, gradients), which every layer of a node call shares.
 - The call runs inside ``sdpa_kernel([chosen])`` (:func:`run_on`): only the kernels' enabled flags change, and they
   are restored on exit; torch's priority order is left as torch keeps it.
 

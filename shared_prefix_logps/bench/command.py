@@ -171,7 +171,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--methods",
         default=DEFAULT_METHODS,
-        help="comma-separated methods to run (also flash; with --tree-workload: dense, one_level, tree); "
+        help="comma-separated methods to run (also flash; with --tree-workload: dense, two_level, tree); "
         "default: %(default)s",
     )
     parser.add_argument(
@@ -201,7 +201,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tree-workload",
         choices=["agentic", "turns", "forks"],
         default=None,
-        help="benchmark a prefix-tree workload instead (methods dense, one_level, tree; bench/tree_runner.py)",
+        help="benchmark a prefix-tree workload instead (methods dense, two_level, tree; bench/tree_runner.py)",
     )
     parser.add_argument(
         "--tree-option",

@@ -46,7 +46,7 @@ def fork_rows(m: int, *, prompt: int, leaf: int, leaves: int, vocab: int, seed: 
 
 
 def _seconds(prepared, rows, thresholds: tuple[int, int], grad: bool, repeats: int) -> tuple[float, float]:
-    """The fastest of ``repeats`` tree passes (forward, and backward of the log-probs' sum with ``grad``) under each
+    """The fastest of ``repeats`` tree calls (forward, and backward of the log-probs' sum with ``grad``) under each
     of the two merge thresholds, the two timed in turn so that both see the same load on the machine."""
     best = [float("inf"), float("inf")]
     for _ in range(repeats):

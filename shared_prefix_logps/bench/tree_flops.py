@@ -2,8 +2,8 @@
 (matmuls only: body per token, attention per visible (query, key) pair, head per scored token).
 
 - ``dense``: every row's real tokens, causal attention over the row, the head on the scored positions.
-- ``one_level``: each distinct prompt part once (causal), every completion token attending over its prompt and its
-  own earlier tokens, the head on every completion token (one-level sharing scores them all).
+- ``two_level``: each distinct prompt part once (causal), every completion token attending over its prompt and its
+  own earlier tokens, the head on every completion token (the two-level trie scores them all).
 - ``tree``: every trie token once, each node's tokens attending over their ancestors' and causally over their own,
   the head on the distinct scored pairs. This is also the floor (``unique``): no method forwards fewer tokens or
   scores fewer pairs.
@@ -24,7 +24,7 @@ def _rows(workload: TreeWorkload) -> TreeRows:
 
 
 def method_flops(shape: ModelShape, workload: TreeWorkload, *, train: bool) -> dict[str, Flops]:
-    """FLOPs of a step of each method (``dense``, ``one_level``, ``tree``, ``unique``); forward+backward with
+    """FLOPs of a step of each method (``dense``, ``two_level``, ``tree``, ``unique``); forward+backward with
     ``train``."""
     rows = _rows(workload)
     lengths = rows.lengths.tolist()
@@ -41,7 +41,7 @@ def method_flops(shape: ModelShape, workload: TreeWorkload, *, train: bool) -> d
         tuple(rows.input_ids[i, rows.first_column[i] : rows.first_column[i] + p].tolist()) for i, p in enumerate(split)
     }
     prompt_lengths = [len(p) for p in prompts]
-    one_level = forward_flops(
+    two_level = forward_flops(
         shape,
         tokens=sum(prompt_lengths) + sum(n - p for n, p in zip(lengths, split)),
         attention_pairs=[
@@ -61,6 +61,6 @@ def method_flops(shape: ModelShape, workload: TreeWorkload, *, train: bool) -> d
         scored_tokens=plan.pairs.target.numel(),
     )
     steps = {
-        name: step_flops(f, train=train) for name, f in (("dense", dense), ("one_level", one_level), ("tree", tree))
+        name: step_flops(f, train=train) for name, f in (("dense", dense), ("two_level", two_level), ("tree", tree))
     }
     return {**steps, "unique": steps["tree"]}

@@ -3,9 +3,9 @@
 - ``dense``: every row in full through the model's own forward, causal, no pads (rows of one length and one
   scored layout forwarded together, cut to that length), the head over the scored positions only; in micro-batches
   of at most ``dense_tokens`` tokens, each with its own backward when training (gradient accumulation).
-- ``one_level``: the one-level sharing of ``compute_logps`` (score) and ``chunked_backward`` (train): each distinct
+- ``two_level``: the two-level trie of ``compute_logps`` (score) and ``chunked_backward`` (train): each distinct
   prompt part forwarded once, every completion in full, deeper sharing switched off
-  (:func:`~shared_prefix_logps.engine.sharing.one_level_sharing`). It scores every completion token (tool spans too);
+  (:func:`~shared_prefix_logps.engine.sharing.two_level_trie_only`). It scores every completion token (tool spans too);
   the unscored ones are dropped afterwards.
 - ``tree``: ``compute_logps_tree`` (score) and ``chunked_backward_tree`` (train): every trie token forwarded once.
   The tiny-node rule is off here (``merge_tiny_nodes=False``), so that the tokens forwarded are the trie's, the
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import chunked_backward, chunked_backward_tree, compute_logps, compute_logps_tree
-from ..engine.sharing import one_level_sharing
+from ..engine.sharing import two_level_trie_only
 from .tree_workloads import TreeWorkload
 
 #: Default most tokens of one dense micro-batch (rows of one length): whole rows, at least one.
@@ -31,7 +31,7 @@ DEFAULT_DENSE_TOKENS = 8192
 
 
 @dataclass(frozen=True)
-class OneLevelLayout:
+class TwoLevelLayout:
     """The workload as a GRPO batch: ``prompts`` (B, P) left-padded, ``completions`` (B*G, C) right-padded (the
     tokens after each row's ``prompt_length``), bool masks, and ``completion_score`` (B*G, C) bool, the scored
     completion tokens. Row ``i`` of the workload is completion row ``i``."""
@@ -47,7 +47,7 @@ class OneLevelLayout:
         return self.completions.shape[0] // self.prompts.shape[0]
 
     @classmethod
-    def of(cls, workload: TreeWorkload) -> OneLevelLayout:
+    def of(cls, workload: TreeWorkload) -> TwoLevelLayout:
         """Rows with the same prompt part must be consecutive, ``G`` of them per prompt (ValueError otherwise)."""
         lengths = workload.attention_mask.sum(1).tolist()
         split = workload.prompt_length.tolist()
@@ -79,7 +79,7 @@ class OneLevelLayout:
             completion_mask[i, : n - p] = True
             completion_score[i, : n - p] = workload.score_mask[i, p:n]
         if any(workload.score_mask[i, :p].any() for i, p in enumerate(split)):
-            raise ValueError("workload: a scored token inside a row's prompt part; one-level sharing scores none")
+            raise ValueError("workload: a scored token inside a row's prompt part; the two-level trie scores none")
         return cls(prompt_ids, prompt_mask, completions, completion_mask, completion_score)
 
     def to_rows(self, logps: torch.Tensor, workload: TreeWorkload) -> torch.Tensor:
@@ -95,14 +95,14 @@ class OneLevelLayout:
 @dataclass(frozen=True)
 class TreeCase:
     """A workload on a device, in the layouts the methods take; ``chunk_rows`` rows per backward chunk of the
-    chunked methods (``one_level``: ``chunk_rows / B`` generations of every prompt).
+    chunked methods (``two_level``: ``chunk_rows / B`` generations of every prompt).
 
     Every method trains within the same activation budget: dense back-propagates once per ``dense_tokens`` tokens of
     full rows, and a chunk of the chunked methods holds as many rows as fit in ``dense_tokens`` tokens of the longest
     row (one at least), so no method is timed with more backward passes than the memory it is given requires."""
 
     workload: TreeWorkload
-    one_level: OneLevelLayout
+    two_level: TwoLevelLayout
     dense_tokens: int
     chunk_rows: int
 
@@ -110,7 +110,7 @@ class TreeCase:
     def of(cls, workload: TreeWorkload, device, *, dense_tokens: int = DEFAULT_DENSE_TOKENS) -> TreeCase:
         if isinstance(dense_tokens, bool) or not isinstance(dense_tokens, int) or dense_tokens < 1:
             raise ValueError(f"dense_tokens must be a positive int, got {dense_tokens!r}")
-        layout = OneLevelLayout.of(workload)
+        layout = TwoLevelLayout.of(workload)
         moved = TreeWorkload(
             workload.name,
             workload.input_ids.to(device),
@@ -118,10 +118,10 @@ class TreeCase:
             workload.score_mask.to(device),
             workload.prompt_length,
         )
-        layout = OneLevelLayout(*(t.to(device) for t in vars(layout).values()))
+        layout = TwoLevelLayout(*(t.to(device) for t in vars(layout).values()))
         longest = int(workload.attention_mask.sum(1).max())
         prompts = layout.prompts.shape[0]
-        # Whole generations of every prompt per chunk (the one-level method's unit), as many as fit in the budget.
+        # Whole generations of every prompt per chunk (the two-level method's unit), as many as fit in the budget.
         chunk_rows = prompts * max(1, min(layout.generations, dense_tokens // max(1, longest * prompts)))
         return cls(moved, layout, dense_tokens, chunk_rows)
 
@@ -214,9 +214,9 @@ def _dense(model, case: TreeCase, train: bool) -> torch.Tensor:
     return out
 
 
-def _one_level(model, case: TreeCase, train: bool) -> torch.Tensor:
-    layout = case.one_level
-    with one_level_sharing():
+def _two_level(model, case: TreeCase, train: bool) -> torch.Tensor:
+    layout = case.two_level
+    with two_level_trie_only():
         if not train:
             with torch.no_grad():
                 out = compute_logps(
@@ -258,4 +258,4 @@ def _tree(model, case: TreeCase, train: bool) -> torch.Tensor:
 
 
 #: name -> step. Each returns the detached (N, L) float32 log-probs at the scored positions.
-TREE_METHODS: dict[str, Step] = {"dense": _dense, "one_level": _one_level, "tree": _tree}
+TREE_METHODS: dict[str, Step] = {"dense": _dense, "two_level": _two_level, "tree": _tree}

@@ -14,11 +14,11 @@ def _peers(records: list[dict]) -> dict[tuple, dict]:
 
 def markdown_table(records: list[dict]) -> str:
     """One row per record: method, tokens it forwards, its FLOPs, time, peak memory, speed-up over dense against the
-    floor's, peak memory over one_level's, and the largest log-prob difference from dense."""
+    floor's, peak memory over two_level's, and the largest log-prob difference from dense."""
     peers = _peers(records)
     lines = [
         "| workload | method | status | tokens forwarded | TFLOP | median s | peak MiB | x dense time | floor x dense "
-        "| of floor | peak / one_level | max abs diff |",
+        "| of floor | peak / two_level | max abs diff |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
@@ -30,7 +30,7 @@ def markdown_table(records: list[dict]) -> str:
         if r.get("status") != "ok":
             lines.append(f"{head}| - | - | - | {floor} | - | - | - |")
             continue
-        one = peers.get((r["workload"], "one_level"))
+        one = peers.get((r["workload"], "two_level"))
         memory = f"{r['peak_bytes'] / one['peak_bytes']:.2f}" if one and one.get("peak_bytes") else "-"
         speedup = "-" if r.get("speedup") is None else f"{r['speedup']:.2f}"
         share = "-" if r.get("of_floor") is None or r["method"] == "dense" else f"{r['of_floor']:.2f}"
@@ -83,7 +83,7 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
             "head on the distinct scored pairs), the most any method can be faster than dense at dense's efficiency. "
             "of "
             "floor: the measured speed-up over dense divided by the floor's. dense runs in micro-batches of rows "
-            "(see micro_batches in the JSON); one_level and tree train as chunked backwards of chunk_rows rows, as "
+            "(see micro_batches in the JSON); two_level and tree train as chunked backwards of chunk_rows rows, as "
             "many as fit in the dense micro-batch's tokens.",
             "",
             markdown_table(records),
@@ -94,7 +94,7 @@ def markdown_report(meta: dict, records: list[dict]) -> str:
 
 def readme_table(runs: list[tuple[dict, list[dict]]]) -> str:
     """A short table over several runs (``(meta, records)`` each): per workload preset and step, each method's time,
-    the tree's speed-up over dense against the floor's, and the tree's peak memory over one-level sharing's."""
+    the tree's speed-up over dense against the floor's, and the tree's peak memory over the two-level trie's."""
     meta0 = runs[0][0]
     threads = " or ".join(str(t) for t in sorted({meta["threads"] for meta, _ in runs}))
     threads += " thread" if threads == "1" else " threads"
@@ -102,13 +102,13 @@ def readme_table(runs: list[tuple[dict, list[dict]]]) -> str:
         f"Measured on CPU ({meta0['device']}, {threads}, {meta0['dtype'].replace('torch.', '')}), "
         f"{meta0['preset']} dims with {meta0['layers']} layers; tree x dense: measured speed-up (the FLOP floor's):",
         "",
-        "| workload | step | dense s | one-level s | tree s | tree x dense (floor) | tree peak / one-level |",
+        "| workload | step | dense s | two-level s | tree s | tree x dense (floor) | tree peak / two-level |",
         "|---|---|---|---|---|---|---|",
     ]
     for meta, records in runs:
         peers = _peers(records)
         for step in ("score", "train"):
-            dense, one, tree = (peers.get((step, m)) for m in ("dense", "one_level", "tree"))
+            dense, one, tree = (peers.get((step, m)) for m in ("dense", "two_level", "tree"))
             if tree is None:
                 continue
             scale = "" if meta["scale"] == "the preset's shapes" else " (scaled)"

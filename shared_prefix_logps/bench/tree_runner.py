@@ -85,7 +85,7 @@ def run_tree_cell(
         groups = case.dense_groups()
         records["dense"].update(micro_batches=len(groups), micro_batch_tokens=dense_tokens)
     if train:
-        for m in ("one_level", "tree"):
+        for m in ("two_level", "tree"):
             if m in records:
                 records[m]["chunk_rows"] = case.chunk_rows
     load_before = load_average()
@@ -110,7 +110,7 @@ def run_tree_cell(
                     logps, record["tracked_ms"] = _timed(step, model, case, train, device)
             finally:
                 hook.remove()
-            # Pads included: what the model embedded (one_level pads prompts of different lengths).
+            # Pads included: what the model embedded (two_level pads prompts of different lengths).
             record.update(peak_bytes=mem["peak_bytes"], tokens_embedded=sum(embedded))
             if method == "dense":
                 reference = logps

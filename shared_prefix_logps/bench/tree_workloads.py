@@ -6,7 +6,7 @@
   the next user message, plus its own response (scored).
 - ``forks``: completions of a prompt that fork from each other at random depths (tree rollouts, retries).
 
-Token ids are random; the shapes are what matters. Counts: ``dense`` (every row in full), ``one_level`` (each
+Token ids are random; the shapes are what matters. Counts: ``dense`` (every row in full), ``two_level`` (each
 distinct prompt part once plus every completion, today's ``compute_logps``), ``tree`` (what ``compute_logps_tree``
 forwards: each trie token once) and ``unique`` (the floor: every distinct prefix's last token once). (``compute_logps``
 embeds one token fewer per prompt than its count: a prompt's last token goes in with its completions, in place of
@@ -29,7 +29,7 @@ class TreeWorkload:
     Attributes:
         name: the preset's name.
         input_ids: (N, L) int64; attention_mask: (N, L) bool; score_mask: (N, L) bool, the scored positions.
-        prompt_length: (N,) int64, the tokens of each row that one-level sharing treats as its prompt.
+        prompt_length: (N,) int64, the tokens of each row that the two-level trie treats as its prompt.
     """
 
     name: str
@@ -138,13 +138,13 @@ WORKLOADS = {"agentic": agentic, "turns": turns, "forks": forks}
 
 
 def forwarded_tokens(workload: TreeWorkload) -> dict[str, int]:
-    """Tokens each method forwards on ``workload``: ``dense``, ``one_level``, ``tree`` and ``unique`` (see the
+    """Tokens each method forwards on ``workload``: ``dense``, ``two_level``, ``tree`` and ``unique`` (see the
     module docstring)."""
     lengths = workload.attention_mask.sum(1)
     dense = int(lengths.sum())
     prompts = {tuple(ids[:p].tolist()) for ids, p in zip(workload.input_ids, workload.prompt_length.tolist())}
-    one_level = sum(len(p) for p in prompts) + int((lengths - workload.prompt_length).sum())
+    two_level = sum(len(p) for p in prompts) + int((lengths - workload.prompt_length).sum())
     trie = build_trie(workload.input_ids, lengths)
     # Every distinct prefix of the rows ends at exactly one trie token (tests/engine/test_trie.py checks it), so the
     # tree forwards exactly the floor.
-    return dict(dense=dense, one_level=one_level, tree=trie.num_tokens, unique=trie.num_tokens)
+    return dict(dense=dense, two_level=two_level, tree=trie.num_tokens, unique=trie.num_tokens)

@@ -71,7 +71,7 @@ class Lockstep:
 
         ``pad`` makes one padding forward of ``model`` (it runs without gradient, in eval mode; its result is dropped);
         by default a one-token ``model(input_ids=...)``, which calls the same submodules, in the same order, as a
-        plain forward or a shared-prefix phase (the lm_head included). A block whose forwards call the model another
+        plain forward or a node call (the lm_head included). A block whose forwards call the model another
         way (TRL's fused head, which reads the lm_head's weight without calling the lm_head) must pass a ``pad`` that
         does the same: under ZeRO-3 a forward that skips a submodule skips that submodule's parameter gather, and the
         processes' gathers would pair up wrongly.

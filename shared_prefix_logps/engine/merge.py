@@ -132,8 +132,8 @@ def split_one_token_forks(trie: PrefixTrie) -> PrefixTrie:
 
 
 def rows_trie(rows, merge_below: int, *, one_token_forks: bool = True) -> PrefixTrie:
-    """The trie the tree pass forwards for validated ``rows`` (:class:`~.inputs.TreeRows`): the rows' trie, with the
-    nodes that save fewer than ``merge_below`` tokens merged into their children (0: none), and without
+    """The searched trie of validated ``rows`` (:class:`~shared_prefix_logps.inputs.TreeRows`): the rows' trie, with
+    the nodes that save fewer than ``merge_below`` tokens merged into their children (0: none), and without
     ``one_token_forks`` the one-token nodes between a parent and children merged into those children too
     (:func:`split_one_token_forks`)."""
     trie = build_trie(rows.justified(), rows.lengths)

@@ -17,24 +17,24 @@ DEEPER_SHARING_MIN_TOKENS = 64
 #: ... and at least this fraction of the tokens the two-level trie forwards (distinct prompts + completion tokens).
 #: A deeper trie costs one more node call per extra depth and its search; measured on CPU (float32, Qwen2 shape with
 #: hidden 256, 2 layers, vocabulary 2000; 8 prompts of a shared system prompt + 64 own tokens, 4 completions of 64
-#: tokens each), its speed relative to one-level sharing was, for 4% / 15% / 25% / 54% of the tokens saved,
+#: tokens each), its speed relative to the two-level trie was, for 4% / 15% / 25% / 54% of the tokens saved,
 #: 0.79 / 0.94 / 1.08 / 1.95 without gradients and 0.93 / 1.11 / 1.20 / 1.56 with them. Not yet measured on a GPU.
 DEEPER_SHARING_MIN_FRACTION = 0.2
 
-#: Set inside :func:`one_level_sharing`: grouped batches get the two-level trie.
-_ONE_LEVEL_ONLY: ContextVar[bool] = ContextVar("one_level_only", default=False)
+#: Set inside :func:`two_level_trie_only`: grouped batches get the two-level trie.
+_TWO_LEVEL_ONLY: ContextVar[bool] = ContextVar("two_level_only", default=False)
 
 
 @contextlib.contextmanager
-def one_level_sharing():
+def two_level_trie_only():
     """Within the block, grouped batches share each distinct prompt only (the two-level trie), whatever the prompts
-    share among themselves: kept for comparisons (the benchmark's ``one_level`` method). Results are the same either
+    share among themselves: kept for comparisons (the benchmark's ``two_level`` method). Results are the same either
     way; only the work differs."""
-    token = _ONE_LEVEL_ONLY.set(True)
+    token = _TWO_LEVEL_ONLY.set(True)
     try:
         yield
     finally:
-        _ONE_LEVEL_ONLY.reset(token)
+        _TWO_LEVEL_ONLY.reset(token)
 
 
 def prompt_tokens_saved(batch: GroupedBatch) -> int:
@@ -60,13 +60,13 @@ def prompt_tokens_saved(batch: GroupedBatch) -> int:
 
 def deeper_sharing_pays(batch: GroupedBatch, *, two_forwards: bool = False) -> bool:
     """Whether the searched trie saves enough prompt tokens over the two-level one (:data:`DEEPER_SHARING_MIN_TOKENS`,
-    :data:`DEEPER_SHARING_MIN_FRACTION`). Never inside :func:`one_level_sharing`, nor with ``two_forwards``: a
+    :data:`DEEPER_SHARING_MIN_FRACTION`). Never inside :func:`two_level_trie_only`, nor with ``two_forwards``: a
     grad-enabled call whose processes agree on nothing themselves (a trainer plug-in keeps them in step) must make the
     same two forwards on every process (FSDP matches collectives by order), which the two-level trie always does."""
-    if batch.prompt_ids.shape[0] < 2 or two_forwards or _ONE_LEVEL_ONLY.get():
+    if batch.prompt_ids.shape[0] < 2 or two_forwards or _TWO_LEVEL_ONLY.get():
         return False
-    one_level = int(batch.prompt_mask.sum()) + int(batch.completion_mask.sum())
-    return prompt_tokens_saved(batch) >= max(DEEPER_SHARING_MIN_TOKENS, DEEPER_SHARING_MIN_FRACTION * one_level)
+    two_level = int(batch.prompt_mask.sum()) + int(batch.completion_mask.sum())
+    return prompt_tokens_saved(batch) >= max(DEEPER_SHARING_MIN_TOKENS, DEEPER_SHARING_MIN_FRACTION * two_level)
 
 
 def grouped_rows(batch: GroupedBatch) -> TreeRows:

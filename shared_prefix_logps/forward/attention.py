@@ -65,7 +65,7 @@ def original_implementation_name(config) -> str:
 
 def intercepting(original):
     """A registry entry that runs ``original`` (a transformers attention implementation such as sdpa or
-    flash_attention_2) untouched, except in calls that carry a phase context, which go to
+    flash_attention_2) untouched, except in calls that carry a node call's context, which go to
     :func:`shared_prefix_attention`.
 
     Installed under the implementation's own name, so a model keeps its implementation, its name and its mask

@@ -42,7 +42,7 @@ Known limits (see :mod:`.families` for each family):
   Gated DeltaNet's is out of place and exact with gradients; flash-linear-attention's ``fused_recurrent`` kernel has no
   backward, and Mamba2's ``selective_state_update`` overwrites the state it read, so under gradients such a node must
   not start from a state that needs its gradient. A call of leaves (``RecurrentCall(..., keep_ends=False)``, e.g. the
-  completions of one-level sharing) avoids it: its one-token nodes run as two copies of their token through the
+  completions of the two-level trie) avoids it: its one-token nodes run as two copies of their token through the
   chunked path (per node: a node without children does so in any call). A one-token node between a parent and
   children is merged into its children by the engine's plan where the decode path cannot back-propagate
   (:class:`~.served.RecurrentPart`, ``engine/merge.py``'s ``split_one_token_forks``).

@@ -228,8 +228,8 @@ def test_masks_are_written_in_place(window, monkeypatch):
 @pytest.mark.parametrize("window", [None, 3, 30])
 def test_a_shared_row_equals_every_node_row(window):
     """A call whose nodes all have as many ancestor tokens (sibling completions under prompts of one length) can share
-    one mask row, instead of writing one per node: the memory one-level sharing's shared mask took, where one per node
-    made the tree's no-grad peak exceed one-level sharing's on the agentic benchmark."""
+    one mask row, instead of writing one per node: the memory the two-level trie's shared mask took, where one per node
+    made the tree's no-grad peak exceed the two-level trie's on the agentic benchmark."""
     ids, _, _ = star_batch(8)
     _, calls = planned_node_calls(ids.tolist(), rows_per_chunk=8)
     uniform = [call for call in calls if call.pack_valid.all() and call.ancestor_valid.all() and call.nodes[0] > 0]

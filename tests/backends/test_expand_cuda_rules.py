@@ -105,7 +105,7 @@ def test_unpadded_prompts_on_fused_path_match_dense(family, prompt_len):
 
 
 def spied_tree_pass(monkeypatch, model, ids, mask, score, sdpa=None, **options):
-    """Calls of the library's tree pass (forward with gradients, then backward) to SDPA, and the output;
+    """Calls of the library's tree entry point (forward with gradients, then backward) to SDPA, and the output;
     ``options`` go to ``compute_logps_tree``."""
     spy = SdpaCalls(sdpa or torch.nn.functional.scaled_dot_product_attention)
     with monkeypatch.context() as patch:

@@ -272,7 +272,7 @@ def test_a_mask_build_waits_for_the_device_a_handful_of_times():
     """Each structure-built BlockMask reads back from the device only what sizes its tensors: two run lists (a count
     and a check each), the node pairs (one nonzero), two expansions' totals (handed to ``repeat_interleave`` as
     ``output_size``), the distinct blocks. A grouped batch's prompts' and completions' calls, and every call of a
-    deeper trie (the one-level masks of before waited 43 and 35 times)."""
+    deeper trie (the two-level masks of before waited 43 and 35 times)."""
     trie = grouped_trie(
         torch.ones(2, 300, dtype=torch.long),
         torch.ones(2, 300, dtype=torch.bool),

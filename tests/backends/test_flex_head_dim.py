@@ -141,14 +141,14 @@ def test_head_dim_192_compiles_where_torchs_sm90_table_lacks_it(compiled_on_cpu,
 @pytest.mark.parametrize("family", ["qwen2", "gemma2"])
 def test_padded_lengths_run_the_kernel_without_bounds_checks(family, compiled_on_cpu, cuda_kernel_options, monkeypatch):
     """Dynamic lengths prove nothing to inductor, which then bounds-checks every tile (IS_DIVISIBLE=False), though
-    every length the backend hands the kernel is a whole number of 128-token blocks: both phases say so."""
+    every length the backend hands the kernel is a whole number of 128-token blocks: both node calls say so."""
     compiled_on_cpu.cuda_rules = True
     monkeypatch.setitem(flex.MIN_HEAD_DIM, "cpu", CUDA_FLEX_MIN_HEAD_DIM)  # head dim 8, widened to 16 as on CUDA
     model = build_model(family)
     prompts, pmask, comps, cmask = make_batch(2, 3, prompt_len=13, completion_len=8, seed=4)
     with torch.no_grad():
         compute_logps(model, prompts, comps, backend="flex", prompt_mask=pmask, completion_mask=cmask)
-    assert compiled_on_cpu.divisible and all(compiled_on_cpu.divisible)  # one graph serves both phases
+    assert compiled_on_cpu.divisible and all(compiled_on_cpu.divisible)  # one graph serves both node calls
 
 
 @pytest.mark.parametrize("torch_2_11_table", [False, True])

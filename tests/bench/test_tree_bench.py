@@ -16,7 +16,7 @@ from shared_prefix_logps.bench.tree_workloads import agentic, forks, forwarded_t
 from shared_prefix_logps.cli import main
 
 SMALL = [
-    # A system prompt long enough that compute_logps would take the tree pass, were deeper sharing not off.
+    # A system prompt long enough that compute_logps would take the searched trie, were deeper sharing not off.
     agentic(prompts=2, system=80, task=3, generations=3, completion=8, tool_spans=1, tool_length=2, vocab=VOCAB),
     turns(conversations=2, num_turns=3, system=5, user=2, response=3, vocab=VOCAB),
     forks(prompts=2, prompt_length=4, completions=4, completion=6, vocab=VOCAB),
@@ -47,13 +47,13 @@ def test_each_method_forwards_what_its_record_counts_and_scores_as_dense(model, 
     reference, dense_tokens = _embedded(model, TREE_METHODS["dense"], case, False)
     assert dense_tokens == counts["dense"]
     assert reference[~workload.score_mask].eq(0).all() and reference[workload.score_mask].lt(0).all()
-    for method in ("one_level", "tree"):
+    for method in ("two_level", "tree"):
         logps, tokens = _embedded(model, TREE_METHODS[method], case, False)
-        # tree: each trie token once; one_level: each distinct prompt part once, though the prompts share a system
+        # tree: each trie token once; two_level: each distinct prompt part once, though the prompts share a system
         # prompt (deeper sharing off), then every completion: the two-level trie's real tokens, packed, no padding.
         assert tokens == counts[method], (method, tokens, counts)
         torch.testing.assert_close(logps, reference.float(), rtol=0, atol=1e-6)
-    assert counts["one_level"] > counts["tree"] or workload.name != "agentic"
+    assert counts["two_level"] > counts["tree"] or workload.name != "agentic"
 
 
 @pytest.mark.parametrize("workload", SMALL, ids=lambda w: w.name)
@@ -65,7 +65,7 @@ def test_each_train_step_gives_dense_gradients(model, workload):
         step(model, case, True)
         grads[method] = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    for method in ("one_level", "tree"):
+    for method in ("two_level", "tree"):
         # A float64 model: what is left is the shared path's float32 log-probs.
         assert max_relative_grad_error(grads[method], grads["dense"]) < 1e-5, method
 
@@ -77,9 +77,9 @@ def test_flops_of_the_agentic_preset_by_hand():
     body, pair, head = shape.body_per_token, shape.attention_per_pair, shape.head_per_token
     # dense: 4 rows of 12 tokens, causal; 3 scored tokens a row (one tool token unscored).
     assert flops["dense"].total == 4 * 12 * body + 4 * (12 * 13 // 2) * pair + 12 * head
-    # one_level: 2 prompts of 8, 4 completions of 4 after them, every completion token through the head.
+    # two_level: 2 prompts of 8, 4 completions of 4 after them, every completion token through the head.
     one_pairs = 2 * (8 * 9 // 2) + 4 * (4 * 8 + 4 * 5 // 2)
-    assert flops["one_level"].total == (2 * 8 + 16) * body + one_pairs * pair + 16 * head
+    assert flops["two_level"].total == (2 * 8 + 16) * body + one_pairs * pair + 16 * head
     # tree: the system prompt once, each task once, each completion once; 12 distinct scored pairs.
     tree_pairs = 6 * 7 // 2 + 2 * (2 * 6 + 2 * 3 // 2) + 4 * (4 * 8 + 4 * 5 // 2)
     assert flops["tree"].total == flops["unique"].total == (6 + 4 + 16) * body + tree_pairs * pair + 12 * head
@@ -110,7 +110,7 @@ def test_cli_runs_the_tree_bench_end_to_end(tmp_path):
     assert data["meta"]["tree_options"]["system"] == 24 and data["meta"]["scale"].startswith("scaled: prompts=2")
     records = data["records"]
     assert [(r["workload"], r["method"]) for r in records] == [
-        (w, m) for w in ("score", "train") for m in ("dense", "one_level", "tree")
+        (w, m) for w in ("score", "train") for m in ("dense", "two_level", "tree")
     ]
     workload = agentic(**{**data["meta"]["tree_options"]})
     counts = forwarded_tokens(workload)

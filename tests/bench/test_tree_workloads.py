@@ -11,7 +11,7 @@ def test_agentic_preset_counts():
     counts = forwarded_tokens(agentic())
     # 16 prompts of 2048 + 256 tokens, 8 completions of 512 each.
     assert counts["dense"] == 128 * (2048 + 256 + 512)
-    assert counts["one_level"] == 16 * (2048 + 256) + 128 * 512
+    assert counts["two_level"] == 16 * (2048 + 256) + 128 * 512
     assert counts["tree"] == counts["unique"] == 2048 + 16 * 256 + 128 * 512
 
 
@@ -26,7 +26,7 @@ def test_small_workloads_embed_the_tree_count():
     hook = model.get_input_embeddings().register_forward_pre_hook(lambda _, a: embedded.append(a[0].numel()))
     for workload in small:
         counts = forwarded_tokens(workload)
-        assert counts["dense"] >= counts["one_level"] >= counts["tree"], (workload.name, counts)
+        assert counts["dense"] >= counts["two_level"] >= counts["tree"], (workload.name, counts)
         assert counts["tree"] < counts["dense"], workload.name
         args = (workload.input_ids, workload.attention_mask, workload.score_mask)
         with torch.no_grad():  # the count is the trie's: tiny nodes unmerged

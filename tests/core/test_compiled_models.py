@@ -1,7 +1,7 @@
 """Compiled models: every entry point exact on a model compiled whole (``torch.compile(model)``), per decoder layer
 (``layer.compile()``) and by accelerate's ``compile_regions``, with dynamo's eager, aot_eager and inductor backends.
 
-Traced naively, the phases' routes freeze a backward that reads gradients stored by another node: log-probs stayed
+Traced naively, the node calls' routes freeze a backward that reads gradients stored by another node: log-probs stayed
 exact while every parameter gradient came out zero (whole model) or 80-90% wrong (per layer). Here every parameter's
 gradient is compared with the dense path on the uncompiled model (1e-4 relative), and log-probs to 1e-5.
 """
@@ -155,7 +155,7 @@ def test_compiled_layers_with_gradient_checkpointing(use_reentrant):
 
 
 def test_plain_forward_of_compiled_model_unchanged_and_one_graph():
-    """After the library has run, the compiled model's own forward still gives its logits, in one graph: the phase
+    """After the library has run, the compiled model's own forward still gives its logits, in one graph: the node call
     lookups it passes through are guarded on a flag, not traced into graph breaks."""
     from torch._dynamo.utils import counters
 

@@ -70,7 +70,7 @@ def _tokens(gen, count):
     return torch.randint(POISON + 1, VOCAB, (count,), generator=gen)
 
 
-def one_level_batch(seed: int = 0):
+def two_level_batch(seed: int = 0):
     """(prompts, completions, prompt_mask, completion_mask, poisoned row): 3 prompts (one left-padded), 3
     completions each (some right-padded); the poisoned row's completion holds :data:`POISON` at its second token."""
     gen = torch.Generator().manual_seed(seed)
@@ -105,7 +105,7 @@ def tree_batch(seed: int = 0):
 
 
 def _clean_tokens(ids, mask, bad: int) -> torch.Tensor:
-    """(k,) int64: real token ids the poisoned row does not hold. Padding is forwarded as token 0 (one-level
+    """(k,) int64: real token ids the poisoned row does not hold. Padding is forwarded as token 0 (two-level
     layouts), and the poisoned row's own padding receives its non-finite gradients as in the dense forward (hidden
     keys get ``0 x NaN`` from its queries inside the attention kernel), so token 0 is left out; real tokens are
     drawn above :data:`POISON`."""
@@ -154,9 +154,9 @@ def _model():
 
 @pytest.mark.parametrize("backend", ["expand", "expand-cuda-path", "flex", "flash"])
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
-def test_one_level(backend, grad, request, monkeypatch):
+def test_two_level(backend, grad, request, monkeypatch):
     model = _model()
-    prompts, completions, prompt_mask, completion_mask, bad = one_level_batch()
+    prompts, completions, prompt_mask, completion_mask, bad = two_level_batch()
     layout = backend
     stack = contextlib.ExitStack()
     if backend == "expand-cuda-path":
@@ -204,7 +204,7 @@ def _system_prompt_rows():
 
 
 @pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
-def test_one_level_entry_taking_the_tree_pass(grad, monkeypatch):
+def test_grouped_entry_taking_the_searched_trie(grad, monkeypatch):
     """compute_logps on prompts that share a system prompt scores them with the trie searched from the rows
     (``expand``; the thresholds lowered so that a small batch takes it)."""
     model = _model()

@@ -51,14 +51,14 @@ def test_both_chunked_entry_points_refuse_a_detached_loss_alike():
     model = build_model("llama")
     prompts, pmask, comps, cmask = make_batch(2, 2, prompt_len=5, completion_len=3)
     detached = lambda out, rows: out.logps.sum().detach()  # noqa: E731
-    with pytest.raises(RuntimeError, match=r"chunk of rows \[0, 2\] .* loss_fn detached it") as one_level:
+    with pytest.raises(RuntimeError, match=r"chunk of rows \[0, 2\] .* loss_fn detached it") as two_level:
         chunked_backward(
             model, prompts, comps, detached, generations_per_chunk=1, prompt_mask=pmask, completion_mask=cmask
         )
     ids, mask, score = pad_rows(random_tree_rows(4, depth=2, branching=2), 4)
     with pytest.raises(RuntimeError, match=r"chunk of rows \[\d+\] .* loss_fn detached it") as tree:
         chunked_backward_tree(model, ids, mask, score, detached, rows_per_chunk=1)
-    assert str(one_level.value).split("]", 1)[1] == str(tree.value).split("]", 1)[1]
+    assert str(two_level.value).split("]", 1)[1] == str(tree.value).split("]", 1)[1]
 
 
 def test_driver_of_an_unwrapped_model_is_plain_autograd():

@@ -1,6 +1,6 @@
 """Two-process gloo runs where the processes see different rows, so that the shared path's own calls would differ in
-number (Phase 1 skipped for one-token prompts, no forward for an all-masked batch, a smaller token budget, fewer or
-skipped chunks): every core entry point keeps the processes' model calls in step itself
+number (no prompts' node call for one-token prompts, no forward for an all-masked batch, a smaller token budget,
+fewer or skipped chunks): every core entry point keeps the processes' model calls in step itself
 (``shared_prefix_logps/distributed/lockstep.py``). Under DDP (its buffers are broadcast in the forward after a
 synchronizing one) and FSDP2 (every forward gathers, every backward reduce-scatters) the runs finish within their
 timeout, log-probs equal the dense path's on each rank's rows, and every parameter's full gradient equals the ranks'
@@ -48,7 +48,7 @@ def _calls(scenario: str, rank: int) -> list[tuple[str, tuple, dict]]:
     """The calls each rank makes: (kind, batch, options); kind ``grad`` (compute_logps and backward), ``score``
     (no-grad compute_logps) or ``chunked`` (chunked_backward)."""
     batch = make_batch(2, 3, prompt_len=9, completion_len=COMPLETION_LEN, seed=rank)
-    if scenario == "one-token-prompts":  # rank 1: every prompt one token, so no Phase 1
+    if scenario == "one-token-prompts":  # rank 1: every prompt one token, so no prompts' node call
         if rank == 1:
             batch = make_batch(2, 3, prompt_len=1, completion_len=COMPLETION_LEN, seed=rank)
         return [("grad", batch, {}), ("chunked", batch, {})]

@@ -68,14 +68,14 @@ def test_shared_system_prompt_matches_dense_and_embeds_fewer_tokens(family, monk
     deeper = _embedded_tokens(model, lambda: compute_logps_concatenated(model, ids, mask, keep))
     monkeypatch.setattr(merge, "MERGE_BELOW_SAVED_TOKENS", 0)
     unmerged = _embedded_tokens(model, lambda: compute_logps_concatenated(model, ids, mask, keep))
-    monkeypatch.setattr(sharing, "DEEPER_SHARING_MIN_TOKENS", 10**9)  # one-level sharing, as before
-    one_level = _embedded_tokens(model, lambda: compute_logps_concatenated(model, ids, mask, keep))
+    monkeypatch.setattr(sharing, "DEEPER_SHARING_MIN_TOKENS", 10**9)  # the two-level trie, as before
+    two_level = _embedded_tokens(model, lambda: compute_logps_concatenated(model, ids, mask, keep))
     # The system prompt is embedded once instead of once per prompt.
-    assert unmerged <= one_level - 2 * (SYSTEM_LEN - 1), (unmerged, one_level)
+    assert unmerged <= two_level - 2 * (SYSTEM_LEN - 1), (unmerged, two_level)
     # The tiny-node rule merges each prompt's own 3 + p tokens (saving 2 * (3 + p) < its threshold) into its 3
     # completions: they are embedded 3 times instead of once, and the system prompt still once.
     assert deeper == unmerged + sum(2 * (3 + p) for p in range(3)), (deeper, unmerged)
-    assert deeper < one_level - (SYSTEM_LEN - 1), (deeper, one_level)
+    assert deeper < two_level - (SYSTEM_LEN - 1), (deeper, two_level)
 
 
 def test_compute_logps_shares_the_system_prompt_too():
@@ -134,7 +134,7 @@ def test_chunked_backward_embeds_a_200_token_system_prompt_once(generations_per_
     assert sum(counted) < int(mask.sum()) - 2 * 200  # the system prompt once, not once per prompt
 
 
-def test_prompts_that_share_little_take_the_one_level_path(monkeypatch):
+def test_prompts_that_share_little_take_the_two_level_trie(monkeypatch):
     model = build_model("llama")
     ids, mask, keep = _trainer_rows(system_len=0)
     assert sharing.prompt_tokens_saved(split_concatenated(ids, mask, keep, model=prepare_model(model))) == 0
@@ -183,9 +183,9 @@ def test_with_gradients_and_several_processes_without_agreement_the_two_level_tr
     assert deeper == []
 
 
-def test_a_small_share_of_the_tokens_takes_the_one_level_path():
+def test_a_small_share_of_the_tokens_takes_the_two_level_trie():
     """Prompts that share a 70-token system prompt but carry long completions: the trie saves 140 tokens, under a
-    fifth of what one-level sharing forwards, where the tree pass measured slower."""
+    fifth of what two-level sharing forwards, where the searched trie measured slower."""
     model = build_model("llama")
     ids, mask, keep = _trainer_rows()
     long_completions = torch.ones(ids.shape[0], 100, dtype=torch.long)

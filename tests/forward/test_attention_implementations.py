@@ -1,4 +1,4 @@
-"""Models loaded with any attention implementation: the shared path intercepts only its own phases.
+"""Models loaded with any attention implementation: the shared path intercepts only its own node calls.
 
 GPU users load models with ``attn_implementation="flash_attention_2"`` (or 3, ``flex_attention``, a hub kernel).
 These tests name such an implementation in the config of an sdpa-built model (the flash kernels themselves need a
@@ -48,7 +48,7 @@ def test_registry_entry_passes_plain_calls_to_the_original(name):
     compute_logps(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask)
     entry = ALL_ATTENTION_FUNCTIONS[name]
     assert entry._shared_prefix_original is original
-    # The interception itself: a call without a phase context reaches the original function unchanged.
+    # The interception itself: a call without a node call's context reaches the original function unchanged.
     calls = []
     fake = lambda module, query, key, value, mask, **kwargs: calls.append(kwargs) or (query, None)
     intercepted = attention.intercepting(fake)

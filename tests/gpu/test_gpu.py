@@ -113,7 +113,7 @@ def test_expand_runs_without_the_math_kernel(dtype, monkeypatch):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
-#: (prompts, generations, prompt length, completion length): one to several blocks of 128 in both phases.
+#: (prompts, generations, prompt length, completion length): one to several blocks of 128 in both node calls.
 COMPILE_SHAPES = [
     (2, 2, 9, 5),
     (3, 4, 13, 8),

@@ -1,7 +1,7 @@
 """CUDA checks of the expand backend's kernel rules (marked ``gpu``, skipped without a CUDA device): the premise of
 the row-aligned masks (SDPA's memory-efficient kernel copies an unaligned mask in every call), the kernel chosen
 by torch's own checks with torch's priority order left as torch initializes it, and exactness of unpadded prompts
-(causal Phase 1 without a mask) against dense."""
+(the causal prompts' call without a mask) against dense."""
 
 from __future__ import annotations
 

@@ -80,7 +80,7 @@ def _errors(model, reference, batch, backend):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
 def test_flash_bf16_is_as_close_to_float64_as_dense_bf16(kernels, family):
     # Head dims 16 (llama, qwen2: hidden 64, 4 heads) and 8 (gemma2, padded to a multiple of 8 by the binding; its
-    # sliding layers' Phase 2 goes to flex). The truth: the same bfloat16 weights in float64.
+    # sliding layers' completions' call goes to flex). The truth: the same bfloat16 weights in float64.
     model = build_model(family, hidden=64, dtype=torch.bfloat16).to(CUDA)
     reference = copy.deepcopy(model).to(torch.float64)
     batch = tuple(t.to(CUDA) for t in make_batch(4, 8, prompt_len=40, completion_len=24, seed=1))

@@ -67,7 +67,7 @@ def test_length_dependent_rope_exact_below_threshold_refused_above(kind):
     _assert_exact(
         compare_with_dense(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, return_entropy=True)
     )
-    # Rows of 18 tokens cross the threshold: the phases would pick other frequencies than the full-row forward
+    # Rows of 18 tokens cross the threshold: the node calls would pick other frequencies than the full-row forward
     # (measured without the guard: 4.7e-4 for longrope, 1.9e-5 for dynamic NTK).
     prompts, pmask, comps, cmask = make_batch(2, 3, prompt_len=10, completion_len=8, seed=2)
     with pytest.raises(UnsupportedModelError, match="RoPE"):

@@ -19,9 +19,9 @@ class PatchStats:
         fallback_calls: calls handed to the original method; ``fallback_reasons`` counts them per reason.
         rows: completion rows scored by the shared path.
         distinct_prompts: prompts forwarded (rows with identical prompts count once per call).
-        tokens_forwarded: real (unpadded) tokens one-level sharing forwards: each distinct prompt once plus every
+        tokens_forwarded: real (unpadded) tokens the two-level trie forwards: each distinct prompt once plus every
             completion token. An upper bound: calls whose distinct prompts share a prefix among themselves (a common
-            system prompt) take the prefix-tree pass, which forwards that prefix once.
+            system prompt) take the searched trie, which forwards that prefix once.
         dense_tokens: real tokens the original method forwards for the same calls (every row in full).
         chunked_steps: micro-batches whose backward ran through ``chunked_backward``.
         chunked_calls: ``chunked_backward`` calls (one per group size present in a micro-batch).

@@ -14,7 +14,7 @@ def install_fp32_head(lm_head: nn.Module) -> bool:
     """Make the shared path's head compute in float32 outside autocast, as TRL's ``cast_lm_head_to_fp32`` head does.
 
     Must run after ``prepare_model`` installed its lm_head proxy: it wraps that proxy, casting the hidden states
-    to float32 and disabling autocast around it. Outside a phase the proxy calls TRL's own float32 forward, which
+    to float32 and disabling autocast around it. Outside a node call the proxy calls TRL's own float32 forward, which
     does the same, so ordinary forwards are unchanged. Returns False if the shim was already there.
     """
     if getattr(lm_head, "_trl_fp32_shim_previous", None) is not None:

@@ -1,7 +1,7 @@
 """The OpenRLHF plug-in shares a system prompt common to different prompts, with no configuration change: the patched
 ``Actor`` scores rows whose distinct prompts start with the same system prompt as a prefix tree (the system prompt
 embedded once, not once per prompt), with the unpatched ``Actor``'s log-probs, entropies and gradients. Prompts that
-share too little take the one-level path, as exactly."""
+share too little take the two-level trie, as exactly."""
 
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ from support.trees import spy_tree_calls
 
 from shared_prefix_logps.integrations.openrlhf import get_patch, patch_actor
 
-SYSTEM = 70  # tokens of the shared system prompt: one repeat of it saves more than the tree pass's 64-token threshold
-SHORT_SYSTEM = 8  # a shared start too short for the tree pass to pay
+SYSTEM = (
+    70  # tokens of the shared system prompt: one repeat of it saves more than the searched trie's 64-token threshold
+)
+SHORT_SYSTEM = 8  # a shared start too short for the searched trie to pay
 
 
 def _pair(**kwargs):
@@ -30,7 +32,7 @@ def _pair(**kwargs):
 
 @pytest.fixture
 def tree_calls(monkeypatch):
-    """The number of rows of every call the tree pass served."""
+    """The number of rows of every call the searched trie served."""
     return spy_tree_calls(monkeypatch)
 
 
@@ -52,9 +54,10 @@ def _prompts(sequences, attention, actions) -> list[tuple[int, ...]]:
     return [tuple(row[:end][keep[:end]].tolist()) for row, keep, end in zip(sequences, valid, first_action.tolist())]
 
 
-def _one_level_floor(sequences, attention, actions) -> int:
-    """The fewest tokens one-level sharing can embed for these rows, counted from the rows alone: each distinct prompt
-    but its last token (Phase 1) and every valid token after the prompt (Phase 2), no padding."""
+def _two_level_floor(sequences, attention, actions) -> int:
+    """The fewest tokens the two-level trie can embed for these rows, counted from the rows alone: each distinct prompt
+    but its last token (the prompts' node call) and every valid token after the prompt (the completions'), no
+    padding."""
     prompts = _prompts(sequences, attention, actions)
     responses = int(attention.sum()) - sum(map(len, prompts))
     return sum(len(prompt) - 1 for prompt in set(prompts)) + responses
@@ -62,9 +65,9 @@ def _one_level_floor(sequences, attention, actions) -> int:
 
 @pytest.mark.parametrize("layout", ["right_padded", "left_padded", "multi_turn"])
 def test_no_grad_log_probs_share_the_system_prompt(tree_calls, monkeypatch, layout):
-    """4 prompts x 3 samples starting with one system prompt: the tree pass serves the call, embeds fewer tokens than
-    one-level sharing can (and than it does, by the 3 repeated system prompts), and the action log-probs and entropies
-    are the unpatched Actor's (1e-5)."""
+    """4 prompts x 3 samples starting with one system prompt: the searched trie serves the call, embeds fewer tokens
+    than the two-level trie can (and than it does, by the 3 repeated system prompts), and the action log-probs and
+    entropies are the unpatched Actor's (1e-5)."""
     from shared_prefix_logps.engine import merge
     from shared_prefix_logps.engine import sharing as grouped
 
@@ -90,15 +93,15 @@ def test_no_grad_log_probs_share_the_system_prompt(tree_calls, monkeypatch, layo
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
     entropy = ours_out.entropy[:, -width:] * actions, theirs_out.entropy[:, -width:] * actions
     torch.testing.assert_close(*entropy, atol=1e-5, rtol=0)
-    floor = _one_level_floor(*rows)
+    floor = _two_level_floor(*rows)
     assert deeper < floor, (deeper, floor)
 
-    monkeypatch.setattr(grouped, "DEEPER_SHARING_MIN_TOKENS", 10**9)  # one-level sharing only
-    one_level_logps, one_level = _counted(patched, lambda: score(patched)[0])
-    assert len(tree_calls) == 1  # no tree pass this time
-    torch.testing.assert_close(one_level_logps, theirs, atol=1e-5, rtol=0)
-    assert one_level >= floor, (one_level, floor)
-    assert len(set(_prompts(*rows))) == 4 and deeper <= one_level - 3 * (SYSTEM - 1), (deeper, one_level)
+    monkeypatch.setattr(grouped, "DEEPER_SHARING_MIN_TOKENS", 10**9)  # the two-level trie only
+    two_level_logps, two_level = _counted(patched, lambda: score(patched)[0])
+    assert len(tree_calls) == 1  # the searched trie not taken this time
+    torch.testing.assert_close(two_level_logps, theirs, atol=1e-5, rtol=0)
+    assert two_level >= floor, (two_level, floor)
+    assert len(set(_prompts(*rows))) == 4 and deeper <= two_level - 3 * (SYSTEM - 1), (deeper, two_level)
     stats = get_patch(patched).stats
     assert stats.fallback_calls == 0 and [check.passed for check in stats.self_checks] == [True]
 
@@ -115,9 +118,9 @@ def _grpo_step(actor, sequences, attention, actions, old, advantages):
 
 @pytest.mark.parametrize("system_prompt", [SYSTEM, SHORT_SYSTEM], ids=["tree", "too-short"])
 def test_training_step_with_a_shared_system_prompt(tree_calls, system_prompt):
-    """Policy pass with gradient on multi-turn rows: with a 70-token shared system prompt the tree pass serves it (and
-    embeds fewer tokens than one-level sharing can), with an 8-token one the one-level path; either way log-probs and
-    OpenRLHF's loss within 1e-5 and every gradient within 1e-4 of its norm, as the unpatched Actor's."""
+    """Policy pass with gradient on multi-turn rows: with a 70-token shared system prompt the searched trie serves it
+    (and embeds fewer tokens than the two-level trie can), with an 8-token one the two-level trie; either way
+    log-probs and OpenRLHF's loss within 1e-5 and every gradient within 1e-4 of its norm, as the unpatched Actor's."""
     patched, reference = _pair(temperature=0.9)
     rows = openrlhf_rows(3, 4, seed=6, multi_turn=True, system_prompt=system_prompt)
     sequences, attention, actions = rows
@@ -141,4 +144,4 @@ def test_training_step_with_a_shared_system_prompt(tree_calls, system_prompt):
     stats = get_patch(patched).stats
     assert stats.fallback_calls == 0 and [check.what for check in stats.self_checks] == ["action log-probs (grad)"]
     if system_prompt == SYSTEM:
-        assert deeper < _one_level_floor(*rows), (deeper, _one_level_floor(*rows))
+        assert deeper < _two_level_floor(*rows), (deeper, _two_level_floor(*rows))

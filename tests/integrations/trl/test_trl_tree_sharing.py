@@ -1,4 +1,4 @@
-"""The TRL plug-in shares a system prompt common to different prompts (deeper than one-level sharing) with no
+"""The TRL plug-in shares a system prompt common to different prompts (deeper than the two-level trie) with no
 configuration change, and returns what the unpatched trainer returns."""
 
 from __future__ import annotations
@@ -79,6 +79,6 @@ def test_shared_system_prompt_embeds_fewer_tokens_with_the_unpatched_numbers(tmp
         b = torch.zeros_like(a) if b is None else b
         assert (a - b).norm() <= 1e-4 * max(b.norm(), 1e-6)
 
-    monkeypatch.setattr(sharing, "DEEPER_SHARING_MIN_TOKENS", 10**9)  # one-level sharing, as before
-    _, one_level = _embedded(trainer.model, patched)
-    assert deeper <= one_level - 2 * (SYSTEM_LEN - 1), (deeper, one_level)
+    monkeypatch.setattr(sharing, "DEEPER_SHARING_MIN_TOKENS", 10**9)  # the two-level trie, as before
+    _, two_level = _embedded(trainer.model, patched)
+    assert deeper <= two_level - 2 * (SYSTEM_LEN - 1), (deeper, two_level)

@@ -2,7 +2,7 @@
 real ``FSDPEngineWithLMHead`` (FSDP2, gloo, CPU), a micro-batch whose distinct prompts start with the same system
 prompt is scored as a prefix tree (the system prompt embedded once per micro-batch, not once per prompt), and its
 log-probs, entropies, losses and gradients are the unpatched engine's. Prompts that share too little take the
-one-level path, as exactly; under FSDP with two processes the tree pass serves no-grad calls only."""
+two-level path, as exactly; under FSDP with two processes the searched trie serves no-grad calls only."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ from support import verl_setup as vs  # noqa: E402
 from support.distributed import free_port, set_rank_environment  # noqa: E402
 from support.trees import spy_searched_plans, spy_tree_calls  # noqa: E402
 
-SYSTEM = 70  # tokens of the shared system prompt: one repeat of it saves more than the tree pass's 64-token threshold
-SHORT_SYSTEM = 8  # a shared start too short for the tree pass to pay
+SYSTEM = (
+    70  # tokens of the shared system prompt: one repeat of it saves more than the searched trie's 64-token threshold
+)
+SHORT_SYSTEM = 8  # a shared start too short for the searched trie to pay
 MICRO_BATCH = 6  # rows per micro-batch: the 12 shuffled rows make 2 micro-batches, each with 2 or 3 distinct prompts
 
 
@@ -50,7 +52,7 @@ def engines(process_group, tmp_path_factory):
 
 @pytest.fixture
 def tree_calls(monkeypatch):
-    """The number of rows of every call the tree pass served."""
+    """The number of rows of every call the searched trie served."""
     return spy_tree_calls(monkeypatch)
 
 
@@ -77,9 +79,10 @@ def micro_batches(td, size: int = MICRO_BATCH) -> list[tuple[set[tuple[int, ...]
     return out
 
 
-def one_level_floor(td) -> int:
-    """The fewest tokens one-level sharing can embed for ``td``, counted from the rows alone: in each micro-batch each
-    distinct prompt but its last token (Phase 1) and every valid response token (Phase 2), no padding."""
+def two_level_floor(td) -> int:
+    """The fewest tokens the two-level trie can embed for ``td``, counted from the rows alone: in each micro-batch each
+    distinct prompt but its last token (the prompts' node call) and every valid response token (the completions'),
+    no padding."""
     return sum(sum(len(prompt) - 1 for prompt in prompts) + responses for prompts, responses in micro_batches(td))
 
 
@@ -91,7 +94,7 @@ def response(nested, td):
 
 @pytest.mark.parametrize("remove_padding", [True, False], ids=["rmpad", "padded"])
 def test_infer_batch_shares_the_system_prompt(engines, tree_calls, monkeypatch, remove_padding):
-    """Old-policy log-probs and entropy: the tree pass serves both micro-batches, embeds fewer tokens than one-level
+    """Old-policy log-probs and entropy: the searched trie serves both micro-batches, embeds fewer tokens than two-level
     sharing can (and than it does, by the repeated system prompts), and returns the unpatched engine's numbers."""
     from shared_prefix_logps.engine import merge
     from shared_prefix_logps.engine import sharing as grouped
@@ -106,26 +109,26 @@ def test_infer_batch_shares_the_system_prompt(engines, tree_calls, monkeypatch, 
     for key in ("log_probs", "entropy"):
         diff = (response(ours["model_output"][key], td) - response(theirs["model_output"][key], td)).abs().max()
         assert diff.item() < 1e-5, (key, diff.item())
-    floor = one_level_floor(td)
+    floor = two_level_floor(td)
     assert deeper < floor, (deeper, floor)
 
-    monkeypatch.setattr(grouped, "DEEPER_SHARING_MIN_TOKENS", 10**9)  # one-level sharing only
-    one_level_out, one_level = counted(patched, lambda: vs.infer(patched, td))
-    assert len(tree_calls) == 2  # no tree pass this time
-    diff = response(one_level_out["model_output"]["log_probs"], td) - response(theirs["model_output"]["log_probs"], td)
+    monkeypatch.setattr(grouped, "DEEPER_SHARING_MIN_TOKENS", 10**9)  # the two-level trie only
+    two_level_out, two_level = counted(patched, lambda: vs.infer(patched, td))
+    assert len(tree_calls) == 2  # the searched trie not taken this time
+    diff = response(two_level_out["model_output"]["log_probs"], td) - response(theirs["model_output"]["log_probs"], td)
     assert diff.abs().max().item() < 1e-5
-    assert one_level >= floor, (one_level, floor)
-    # each micro-batch embeds its system prompt once where one-level sharing embeds it once per distinct prompt
+    assert two_level >= floor, (two_level, floor)
+    # each micro-batch embeds its system prompt once where the two-level trie embeds it once per distinct prompt
     repeats = sum(len(prompts) - 1 for prompts, _ in micro_batches(td))
-    assert repeats >= 2 and deeper <= one_level - repeats * (SYSTEM - 1), (deeper, one_level, repeats)
+    assert repeats >= 2 and deeper <= two_level - repeats * (SYSTEM - 1), (deeper, two_level, repeats)
 
 
 @pytest.mark.parametrize("variant", ["rmpad", "padded", "checkpointing"])
 def test_training_step_shares_the_system_prompt(engines, process_group, tmp_path, tree_calls, variant):
-    """``ppo_loss`` (token-mean, entropy bonus, KL loss) forward and backward: the tree pass serves both micro-batches
-    with gradients and embeds fewer tokens than one-level sharing can; every micro-batch's loss, every metric and every
-    parameter's gradient (within 1e-4 of its largest entry) are the unpatched engine's. Also with verl's remove-padding
-    off, and with its non-reentrant gradient checkpointing."""
+    """``ppo_loss`` (token-mean, entropy bonus, KL loss) forward and backward: the searched trie serves both
+    micro-batches with gradients and embeds fewer tokens than the two-level trie can; every micro-batch's loss, every
+    metric and every parameter's gradient (within 1e-4 of its largest entry) are the unpatched engine's. Also with
+    verl's remove-padding off, and with its non-reentrant gradient checkpointing."""
     from shared_prefix_logps.integrations.verl import get_patch
 
     if variant == "checkpointing":
@@ -143,13 +146,13 @@ def test_training_step_shares_the_system_prompt(engines, process_group, tmp_path
     vs.assert_metrics_close(ours["metrics"], theirs["metrics"])
     worst = vs.gradient_error(our_grads, their_grads)
     assert worst < 1e-4, worst
-    assert deeper < one_level_floor(td), (deeper, one_level_floor(td))
+    assert deeper < two_level_floor(td), (deeper, two_level_floor(td))
     stats = get_patch(patched).stats
     assert stats.fallback_calls == 0 and all(check.passed for check in stats.self_checks)
 
 
-def test_prompts_sharing_too_little_take_the_one_level_path(engines, tree_calls):
-    """A shared system prompt of 8 tokens saves too little for the tree pass: the one-level path serves every
+def test_prompts_sharing_too_little_take_the_two_level_trie(engines, tree_calls):
+    """A shared system prompt of 8 tokens saves too little for the searched trie: the two-level trie serves every
     micro-batch, with the unpatched engine's log-probs, entropies, losses and gradients."""
     from shared_prefix_logps.integrations.verl import get_patch
 
@@ -171,8 +174,8 @@ def test_prompts_sharing_too_little_take_the_one_level_path(engines, tree_calls)
 
 
 def test_bf16_mixed_precision(process_group, tmp_path, tree_calls):
-    """verl's default mixed precision (bf16 parameters and autocast): the tree pass serves both micro-batches, and its
-    log-probs are as close to a float32 engine's as verl's own bf16 log-probs are."""
+    """verl's default mixed precision (bf16 parameters and autocast): the searched trie serves both micro-batches, and
+    its log-probs are as close to a float32 engine's as verl's own bf16 log-probs are."""
     from shared_prefix_logps.integrations.verl import unpatch_verl_engine
 
     path = vs.save_model(tmp_path, "qwen2")
@@ -193,8 +196,9 @@ def test_bf16_mixed_precision(process_group, tmp_path, tree_calls):
 
 def _fsdp_worker(rank, port, path, results):
     """Process 0's prompts share a system prompt, process 1's do not: their no-grad micro-batches make different
-    numbers of forwards (one per trie depth, or the two phases), which the plug-in joins. With gradients the tree pass
-    stays off under several processes (their forwards must pair one for one) and the one-level path trains."""
+    numbers of forwards (one per trie depth, or the two-level trie's two), which the plug-in joins. With gradients the
+    searched trie stays off under several processes (their forwards must pair one for one) and the two-level trie
+    trains."""
     set_rank_environment(rank, port)
     faulthandler.dump_traceback_later(240, exit=True)  # a process left waiting for a collective dies with its stack
     torch.set_num_threads(1)
@@ -204,7 +208,7 @@ def _fsdp_worker(rank, port, path, results):
     from shared_prefix_logps.integrations.verl import get_patch, unpatch_verl_engine
 
     # Process 0's trie keeps its 3-5-token prompt nodes (the tiny-node rule would merge them into the responses and
-    # leave two depths, as many forwards as process 1's two phases): the processes' forward counts must differ here.
+    # leave two depths, as many forwards as process 1's two-level trie): the processes' forward counts must differ here.
     merge.MERGE_BELOW_SAVED_TOKENS = 0
     tree_calls = {"no grad": 0, "grad": 0}
 
@@ -263,5 +267,5 @@ def test_two_process_fsdp2(tmp_path):
         assert stats["shared"] == 4 and stats["fallbacks"] == 0 and stats["checks"] == [True, True], stats
         # Training shares the system prompt both processes' batches hold: the searched trie with gradients too.
         assert stats["tree_calls"] == {"no grad": 2 if rank == 0 else 0, "grad": 2}, stats
-    # process 0 made one forward per trie depth, process 1 two phases: the counts differed and were joined
+    # process 0 made one forward per trie depth, process 1 two (the two-level trie): the counts differed and were joined
     assert results[0]["stats"]["padding_forwards"] + results[1]["stats"]["padding_forwards"] > 0

@@ -139,8 +139,8 @@ def assemble_trie(
         node_length,
         torch.tensor(starts, dtype=torch.long),
         torch.tensor(parents, dtype=torch.long),
-        torch.tensor(row_end, dtype=torch.long),
-        lengths.to("cpu", torch.long),
+        row_end=torch.tensor(row_end, dtype=torch.long),
+        row_length=lengths.to("cpu", torch.long),
     )
 
 
@@ -187,11 +187,14 @@ def grouped_trie(
     tokens[node_offset[child_node[child]] + column] = completion_ids[child_rows[child], column]
     row_end = prompt_node[group_index].clone()
     row_end[child_rows] = child_node
-    return _derived(tokens, node_length, node_start, parent, row_end, prompt_len[group_index] + completion_len)
+    return _derived(
+        tokens, node_length, node_start, parent, row_end=row_end, row_length=prompt_len[group_index] + completion_len
+    )
 
 
-def _derived(tokens, node_length, node_start, parent, row_end, row_length) -> PrefixTrie:
-    """The trie with the fields that follow from its nodes (pre-order) and each row's end node, all vectorized."""
+def _derived(tokens, node_length, node_start, parent, *, row_end, row_length) -> PrefixTrie:
+    """The trie with the fields that follow from its nodes (pre-order: ``tokens`` back to back, each node's length,
+    start position and parent) and its rows (each one's end node and length), all vectorized."""
     num_nodes = node_length.numel()
     num_rows = row_end.numel()
     node_offset = torch.cumsum(node_length, 0) - node_length

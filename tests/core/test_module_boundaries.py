@@ -191,3 +191,35 @@ def test_one_cli_module_that_no_module_imports():
             if any(name == "cli" or name.endswith(".cli") for name in names):
                 importers.append(str(path.relative_to(PACKAGE)))
     assert not importers, importers
+
+
+#: The most positional arguments a function of the engine takes, or a call inside it passes: more travel as keywords
+#: or together (the entry point's ``CallSettings``, a call's ``CallOutputs``), so that no long argument list has to
+#: agree in order between a caller and a callee.
+MOST_POSITIONAL = 5
+
+
+def long_positional_lists(source: str, name: str) -> list[str]:
+    """``name:line`` of each definition with more than :data:`MOST_POSITIONAL` positional parameters (``self`` and
+    ``cls`` not counted) and each call passing more than that many positional arguments, in ``source``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            params = [a.arg for a in node.args.posonlyargs + node.args.args if a.arg not in ("self", "cls")]
+            if len(params) > MOST_POSITIONAL:
+                found.append(f"{name}:{node.lineno} def {node.name} ({len(params)} positional)")
+        elif isinstance(node, ast.Call) and len(node.args) > MOST_POSITIONAL:
+            found.append(f"{name}:{node.lineno} call of {ast.unparse(node.func)} ({len(node.args)} positional)")
+    return found
+
+
+def test_engine_calls_take_at_most_five_positional_arguments():
+    found = []
+    for path in sorted((PACKAGE / "engine").glob("*.py")):
+        found += long_positional_lists(path.read_text(), str(path.relative_to(PACKAGE)))
+    assert not found, "\n".join(found)
+
+
+def test_the_positional_check_finds_long_lists():
+    source = "def f(a, b, c, d, e, g, *, h): pass\nclass C:\n    def m(self, a, b, c, d, e): f(1, 2, 3, 4, 5, 6)\n"
+    assert long_positional_lists(source, "x.py") == ["x.py:1 def f (6 positional)", "x.py:3 call of f (6 positional)"]

@@ -740,6 +740,7 @@ def stage_s4(checks: Checks, device) -> None:
 
 def stage_s3(checks: Checks, device) -> None:
     import torch
+    import transformers
     from support.gpu_models import peak_memory_config
 
     from shared_prefix_logps import chunked_backward, compute_logps
@@ -752,8 +753,11 @@ def stage_s3(checks: Checks, device) -> None:
     prompt_len, completion_len, generations, per_chunk = (16384, 1024, 64, 8) if cuda else (128, 16, 8, 2)
     config = peak_memory_config()
     if not cuda:
-        config.vocab_size, config.hidden_size, config.intermediate_size, config.num_hidden_layers = 1024, 64, 128, 2
-    import transformers
+        # Narrow widths for the dry run, as a config of their own: setting num_hidden_layers on the built config left
+        # its layer_types at 8 layers, a config transformers would refuse and the plan now does.
+        fields = {**config.to_dict(), "vocab_size": 1024, "hidden_size": 64, "intermediate_size": 128}
+        fields.update(num_hidden_layers=2, layer_types=None)
+        config = transformers.Qwen2Config.from_dict(fields)
 
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16 if cuda else torch.float32).to(device)

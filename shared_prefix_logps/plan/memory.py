@@ -21,7 +21,9 @@ With gradient checkpointing only the layer input (H x s) stays; one layer's term
 Per method (``dense`` forwards R rows of their real prompt tokens and C completion columns, without a padding
 mask, prompts of one real length together; ``trl`` R rows of P + C tokens with their padding mask; ``expand``,
 ``flex`` and ``chunked`` the node calls above):
-    dense     logits (R, C + 1, V) x s, float32 (R, C, V) tempered logits and log-probs, their gradients in backward
+    dense     logits (R, C + 1, V) x s, in half precision a float32 (R, C, V) copy of them (the logits freed before
+              the log-softmax runs; the copy, or in float32 the logits, referenced until the step returns), float32
+              log-probs, their gradients in backward
     trl       TRL's fused head: (min(N, 4096), min(V, 32768)) tiles, N = all R x (P + C - 1) positions where Triton
               is not used (CPU), the scored ones on CUDA; float32 (V, H) weight gradient
     expand    SDPA's padded queries and outputs (:func:`_expand_saved`), additive masks (16-aligned key dims; none
@@ -319,13 +321,31 @@ def _dense_like(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _M
         else:
             rows = w.largest_dense_bucket_rows
             tokens = rows * width
-        keep = rows * (c + 1) * v * s
-        tempered = rows * c * v * 4
-        upcast = tempered if s != 4 else 0
-        head_forward = {"logits": keep, "fp32 logits copy": upcast, "fp32 tempered logits": tempered}
-        head_after = {"fp32 tempered logits": tempered, "fp32 log-probs": tempered}
-        head_backward = {"fp32 log-probs": tempered, "fp32 log-prob grads": 2 * tempered}
-        head_weight_backward = {"logits grad": keep, "head weight grad": _head_weight_grad(dims, w) * s // 4}
+        # One group's head: ``model(...).logits[:, :-1].float()`` then ``log_softmax``. In half precision the float32
+        # copy is made while the model's logits exist, and those, referenced by nothing once the statement ends, are
+        # freed before the log-softmax allocates its output; in float32 ``.float()`` is the logits themselves. What
+        # the log-softmax read stays referenced by the method's ``logits`` until the next group's replace it, or
+        # the step returns (through backward, for the last group: the longest prompt's, the largest).
+        group = w.largest_dense_bucket_rows
+        keep, log_probs = group * (c + 1) * v * s, group * c * v * 4
+        read = log_probs if s != 4 else keep
+        read_name = "fp32 logits copy" if s != 4 else "logits"
+        # An earlier group's (the groups are one prompt's G rows each when lengths differ) is still referenced
+        # while the next group's logits are made.
+        previous = read if group < w.rows else 0
+        head_forward = {"previous group's logits": previous, "logits": keep, "fp32 logits copy": read if s != 4 else 0}
+        # With gradients every group's log-softmax output is saved for backward; backward runs the last group's
+        # first: the gradient of its gather and of its log-softmax, each the size of its log-probs.
+        saved = rows * c * v * 4 if w.train else log_probs
+        head_after = {read_name: read, "fp32 log-probs": saved}
+        head_backward = {read_name: read, "fp32 log-probs": saved, "fp32 log-prob grads": 2 * log_probs}
+        head_weight_backward = {
+            read_name: read,
+            "logits grad": keep,
+            "head weight grad": _head_weight_grad(dims, w) * s // 4,
+        }
+        if w.train:
+            head_forward["fp32 log-probs"] = saved - log_probs  # the earlier groups'
     else:
         # TRL's fused head: every position where Triton is not used (CPU), the scored ones on CUDA; a
         # (min(N, 4096), 32768) matmul buffer whatever V is, and the torch fallback's float32 temporaries over the
@@ -352,8 +372,8 @@ def _dense_like(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _M
         body = tokens * layer_transient_bytes_per_token(dims, s) + (tokens * dims.hidden * s if dims.layers > 1 else 0)
         # dense's groups run shortest prompt first; an earlier group's logits stay referenced until the next
         # group's forward returns, so the longest prompt's forward runs beside them.
-        grouped = method == "dense" and rows < w.rows
-        m.add(**{"layer transient": body, "attention mask": mask, "previous group's logits": keep if grouped else 0})
+        previous = head_forward.get("previous group's logits", 0) if method == "dense" else 0
+        m.add(**{"layer transient": body, "attention mask": mask, "previous group's logits": previous})
         # The decoder's hidden states are gone once the model returns its logits; TRL's head reads them.
         m.add(**head_forward)
         m.add(**head_after)
@@ -368,8 +388,7 @@ def _dense_like(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _M
     m.add(**acts, **head_weight_backward, **{"recomputed layer": _recompute(dims, w, tokens)})
     if method == "dense" and engine.device == "cpu":
         # The last group's logits stay referenced by the step until it returns, through the end of backward.
-        last_group = w.largest_dense_bucket_rows * (c + 1) * v * s
-        m.add(**_end_of_backward(dims, w, engine), **{"last group's logits": last_group})
+        m.add(**_end_of_backward(dims, w, engine), **{"last group's logits": read})
     return m
 
 

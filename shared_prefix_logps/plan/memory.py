@@ -178,20 +178,23 @@ def _head_chunk_rows(dims: ModelDims, rows: int, engine: Engine, itemsize: int) 
 def _fused_head(dims: ModelDims, w: Workload, engine: Engine, scored: int, *, keep: bool = False) -> tuple[dict, dict]:
     """The library's fused head over ``scored`` rows: (forward transient, backward transient) terms. With ``keep``
     (the chunked backwards, where the logits fit: ``kernels.fused_head.keep_logits_bytes``) forward keeps every
-    chunk's logits for backward instead of recomputing them."""
+    chunk's logits for backward instead of recomputing them: the chunk being computed is one of the kept ones, so
+    only what the statistics hold beside a chunk's logits is a term of its own."""
     s, v = w.itemsize, dims.vocab
     chunk = _head_chunk_rows(dims, scored, engine, s)
     # The torch statistics (CPU, and CUDA where Triton cannot launch) hold a float32 copy beside the chunk's
-    # logits, and three float32 buffers in backward; the Triton kernels work in the logits' buffer, and backward
-    # adds its cast for the matmuls.
-    forward_per_entry, backward_per_entry = (s, 2 * s) if engine.head_statistics == "triton" else (s + 4, s + 12)
-    forward = {"head chunk": chunk * v * forward_per_entry, "head input": scored * dims.hidden * s}
+    # logits, and three float32 buffers in backward. The Triton kernels work in the logits' buffer, in forward and in
+    # backward, where the gradient overwrites the (recomputed or kept) logits in their dtype, the hidden states'
+    # (``kernels.fused_head.chunk_logit_bytes``): the matmuls read that buffer, no cast of it is made.
+    forward_per_entry, backward_per_entry = (s, s) if engine.head_statistics == "triton" else (s + 4, s + 12)
+    kept = s if keep else 0
+    forward = {"head chunk": chunk * v * (forward_per_entry - kept), "head input": scored * dims.hidden * s}
     if keep:
         forward["kept logits"] = scored * v * s
     if not w.train:
         return forward, {}
     backward = {
-        "head chunk": chunk * v * (backward_per_entry - (s if keep else 0)),
+        "head chunk": chunk * v * (backward_per_entry - kept),
         "head input": scored * dims.hidden * s,
         "head input grad": scored * dims.hidden * s,
         "head weight grad (fp32)": _head_weight_grad(dims, w),

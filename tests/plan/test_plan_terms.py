@@ -8,7 +8,7 @@ import pytest
 from shared_prefix_logps.cli import main
 from shared_prefix_logps.plan import Engine, Workload, bench_workload, plan_memory
 from shared_prefix_logps.plan.dims import dims_from_config, dims_from_preset
-from shared_prefix_logps.plan.memory import expand_terms
+from shared_prefix_logps.plan.memory import MemoryPlan, expand_terms
 
 CONFIG = dict(
     model_type="llama",
@@ -89,3 +89,34 @@ def test_cli_options_reach_the_plan(capsys):
     with pytest.raises(SystemExit) as raised:
         main([*base, "--head-implementation", "cuda"])
     assert str(raised.value).startswith("shared-prefix-logps plan: --head-implementation:"), str(raised.value)
+
+def _moment_with(memory: MemoryPlan, name: str) -> dict:
+    """The first moment of ``memory`` that has a term ``name``."""
+    return next(moment for moment in memory.moments if name in moment)
+
+
+def test_triton_head_backward_holds_a_chunk_of_logits_in_their_dtype_and_kept_logits_are_the_chunks():
+    """The Triton statistics write d logits over the logits, in the matmul's dtype (``chunk_logit_bytes``; the
+    fused head's tests measure a chunk's backward within its budget): backward holds one chunk of logits, not a second
+    copy for a cast. Logits kept from forward are the chunks themselves: nothing beside them with Triton, the torch
+    statistics' float32 temporaries with torch."""
+    import torch
+
+    from shared_prefix_logps.kernels.fused_head import chunk_logit_bytes
+
+    dims = dims_from_config(CONFIG)
+    w = Workload(1, 64, 128, 4, mode="train")
+    rows = 4 * 128 - 4
+    per_logit = chunk_logit_bytes(torch.bfloat16, None)
+    triton = plan_memory("expand", dims, w, Engine(head_implementation="triton"))
+    assert _moment_with(triton, "head input grad")["head chunk"] == rows * 4096 * per_logit
+    torch_stats = plan_memory("expand", dims, w, Engine(head_implementation="torch"))
+    assert _moment_with(torch_stats, "head input grad")["head chunk"] == rows * 4096 * (per_logit + 12)
+    chunked = Workload(1, 64, 128, 4, mode="train", generations_per_chunk=4)
+    kept = plan_memory("chunked", dims, chunked, Engine(head_implementation="triton"))
+    assert all("head chunk" not in moment for moment in kept.moments if "kept logits" in moment)
+    assert _moment_with(kept, "kept logits")["kept logits"] == rows * 4096 * per_logit
+    kept_torch = plan_memory("chunked", dims, chunked, Engine(head_implementation="torch"))
+    forward = next(m for m in kept_torch.moments if "kept logits" in m and "head input grad" not in m)
+    assert forward["head chunk"] == rows * 4096 * 4  # the float32 copy beside the chunk's kept logits
+

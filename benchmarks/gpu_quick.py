@@ -38,6 +38,7 @@ Without CUDA every stage runs at tiny shapes on CPU (a dry run of the plumbing, 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -744,6 +745,10 @@ def stage_s4(checks: Checks, device) -> None:
     _speed_cell(checks, device, workload="train", generations=4, methods=["dense", "flex", "chunked"], estimate_s=40)
 
 
+#: How far S3's measured peaks may be from ``plan``'s prediction (|planned / measured - 1|), as the plan's tests allow.
+PLAN_TOLERANCE = 0.15
+
+
 def stage_s3(checks: Checks, device) -> None:
     import torch
     import transformers
@@ -771,6 +776,9 @@ def stage_s3(checks: Checks, device) -> None:
     prompts = torch.randint(0, config.vocab_size, (1, prompt_len), device=device, generator=gen)
     comps = torch.randint(0, config.vocab_size, (generations, completion_len), device=device, generator=gen)
     head = resolve_implementation("auto", prompts)
+    # Every node call goes through the model's own forward: the count shows how the token budget cut a no-grad call.
+    forwards = [0]
+    model.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
 
     def planned(method, mode):
         workload = Workload(
@@ -783,12 +791,18 @@ def stage_s3(checks: Checks, device) -> None:
             generations_per_chunk=per_chunk,
             padded_prompts=False,
         )
-        memory = plan_memory(method, load_dims(config.to_dict()), workload, Engine(head_implementation=head))
+        engine = Engine(device="cuda" if cuda else "cpu", head_implementation=head)
+        memory = plan_memory(method, load_dims(config.to_dict()), workload, engine)
         return sum(size for name, size in memory.terms.items() if name not in MODEL_STATE_TERMS)
 
     def measure(backend, mode):
         if not cuda and backend == "flex":
             return True, {"note": "the CPU live-bytes tracker cannot see inside flex_attention; not measured"}
+        # Nothing of an earlier measurement may stay allocated: the peak is counted from what is allocated now.
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+        forwards[0] = 0
         with peak_memory(device) as measured:
             if mode == "score":
                 with torch.no_grad():
@@ -803,12 +817,18 @@ def stage_s3(checks: Checks, device) -> None:
         peak = measured["peak_bytes"]
         figures = {
             "shape": f"P={prompt_len} C={completion_len} G={generations}",
+            "generations_per_chunk": per_chunk,
             "peak_gib": round(peak / 2**30, 3),
             "planned_gib": round(plan_bytes / 2**30, 3),
             "measured_over_planned": round(peak / plan_bytes, 3),
+            "model_forwards": forwards[0],
+            "head_implementation": head,
             "finite_nonpositive": bool(torch.isfinite(out.logps).all() and (out.logps <= 0).all()),
         }
-        return figures["finite_nonpositive"] and peak <= 1.2 * plan_bytes, figures
+        if "base_bytes" in measured:
+            figures["base_gib"] = round(measured["base_bytes"] / 2**30, 3)
+        # The plan's tolerance (tests/plan/ holds it to the committed runs too): 15% either way.
+        return figures["finite_nonpositive"] and abs(plan_bytes / peak - 1) <= PLAN_TOLERANCE, figures
 
     for backend in ("flex", "expand"):
         for mode in ("score", "chunked"):

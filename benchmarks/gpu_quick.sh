@@ -9,14 +9,15 @@
 # Each result is one JSON line appended to $OUT/results.jsonl as soon as it exists; the whole log goes to
 # $OUT/quick.log, a Markdown summary to $OUT/summary.md. At most 4 files are written under $OUT (results.jsonl,
 # quick.log, summary.md, gpu-cache.tar.gz).
-# A stage whose estimated cost exceeds the time left is skipped with that reason; one that overruns is stopped.
+# A stage whose estimated cost exceeds the time left is skipped with that reason; one that overruns its share is
+# stopped and recorded as "stopped" with what it had measured (not a failure).
 #
 # Nothing is fetched: pip never contacts a package index. Pure-Python wheels found in an ignored .whl/ folder are
 # installed with --no-index into a temporary directory ($WHEELS names another folder). Compile caches live in
 # .gpu-cache/ (ignored), restored from
 # .gpu-cache.tar.gz when one lies in the repository root (S5 writes it to $OUT; copy it there to reuse it).
 # Without CUDA every stage runs at tiny shapes on CPU (a dry run of the plumbing; tests/bench/test_gpu_quick.py).
-# Exit code: 0 when every stage ended ok or skipped, 1 when a check or stage failed.
+# Exit code: 1 when a check failed (or a stage's process ended with an error), else 0 (stages ok, skipped or stopped).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"

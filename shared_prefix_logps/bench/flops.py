@@ -51,6 +51,8 @@ class ModelShape:
     """The sizes of a decoder-only model that its FLOPs depend on; ``windows`` holds each layer's sliding window
     (None: full causal attention).
 
+    ``intermediate``: the dense MLP's width (0 for a model whose every layer is routed, which has none).
+
     ``routed`` (mixture-of-experts models; None for dense ones): per layer, (the gated-MLP width one token goes
     through: the dense ``intermediate``, or its top-k experts' and the shared ones', and the router's experts, 0 in
     a dense layer).
@@ -80,13 +82,18 @@ class ModelShape:
         """
         missing = [
             name
-            for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size")
+            for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
             if not isinstance(getattr(config, name, None), int)
         ]
         if missing:
             raise TypeError(f"config: needs integer {', '.join(missing)} (a decoder-only transformers config)")
         heads = config.num_attention_heads
         layers = config.num_hidden_layers
+        routed = _routed_widths(config, layers)
+        # The dense MLP's width, which a family whose every layer is routed (Qwen3.5-MoE) does not have.
+        intermediate = getattr(config, "intermediate_size", None)
+        if (routed is None or any(experts == 0 for _, experts in routed)) and not isinstance(intermediate, int):
+            raise TypeError("config: needs integer intermediate_size (the width of its dense MLP layers)")
         window = getattr(config, "sliding_window", None)
         if getattr(config, "use_sliding_window", True) is False:
             window = None
@@ -103,10 +110,10 @@ class ModelShape:
             heads=heads,
             kv_heads=getattr(config, "num_key_value_heads", None) or heads,
             head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
-            intermediate=config.intermediate_size,
+            intermediate=intermediate or 0,
             vocab=config.vocab_size,
             windows=windows,
-            routed=_routed_widths(config, layers),
+            routed=routed,
             linear=linear_from_config(fields, "config"),
             attention_gate=fields.get("model_type") in LINEAR_ATTENTION_MODEL_TYPES
             and bool(fields.get("attn_output_gate", True)),
@@ -154,7 +161,7 @@ def _routed_widths(config, layers: int) -> tuple[tuple[int, int], ...] | None:
         return None
     routed = set(experts.layers)
     return tuple(
-        (experts.active_intermediate, experts.count) if i in routed else (config.intermediate_size, 0)
+        (experts.active_intermediate, experts.count) if i in routed else (getattr(config, "intermediate_size", 0), 0)
         for i in range(layers)
     )
 

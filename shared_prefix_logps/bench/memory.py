@@ -53,12 +53,19 @@ class LiveTensorBytes(TorchDispatchMode):
 
 @contextlib.contextmanager
 def peak_memory(device: torch.device):
-    """Yields a dict whose ``"peak_bytes"`` holds, after the block, the peak bytes allocated inside it."""
+    """Yields a dict whose ``"peak_bytes"`` holds, after the block, the peak bytes allocated inside it.
+
+    On CUDA that is the allocator's peak during the block less what was allocated when it began (``"base_bytes"``,
+    also in the dict: parameters, inputs and whatever earlier work left allocated); memory the block frees from that
+    base lowers the figure, so measure with nothing left over from earlier steps. On CPU, the peak of the live
+    bytes of tensors allocated inside the block (:class:`LiveTensorBytes`).
+    """
     result = {"peak_bytes": 0}
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
+        result["base_bytes"] = base
         yield result
         torch.cuda.synchronize(device)
         result["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base

@@ -11,7 +11,7 @@ Gated DeltaNet layers; untied embeddings):
   MLP 12288, vocabulary 248320.
 - ``qwen3.5-35b-a3b`` (Qwen/Qwen3.5-35B-A3B, MoE): hidden 2048, 40 layers, 16 heads, 2 KV heads, head dim 256, 256
   experts of 512, 8 per token, a shared expert of 512, vocabulary 248320. Every layer is routed: its config has no
-  dense MLP width, the preset's ``mlp`` (512) is unused by the layers.
+  dense MLP width, and neither has the preset (``mlp`` None).
 - ``qwen3-next-80b-a3b`` (Qwen/Qwen3-Next-80B-A3B-Instruct): hidden 2048, 48 layers, 16 heads, 2 KV heads, head dim
   256, 512 experts of 512, 10 per token, a shared expert of 512, vocabulary 151936. Every layer is routed (the
   config's ``intermediate_size`` 5120 is unused by the layers).
@@ -26,7 +26,8 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class Preset:
-    """Shape of a decoder-only model; see :func:`build_preset`."""
+    """Shape of a decoder-only model; see :func:`build_preset`. ``mlp``: the dense MLP's width (``intermediate_size``),
+    None for a family whose every layer is routed and whose config has no such field."""
 
     family: str
     hidden: int
@@ -34,7 +35,7 @@ class Preset:
     heads: int
     kv_heads: int
     head_dim: int
-    mlp: int
+    mlp: int | None
     vocab: int
     tied: bool
     extra: tuple = ()
@@ -78,7 +79,7 @@ PRESETS = {
         16,
         2,
         256,
-        512,
+        None,
         248320,
         False,
         (
@@ -129,10 +130,11 @@ def preset_config(name: str, *, layers=None):
         raise ValueError(f"unknown preset {name!r}; choose from {', '.join(PRESETS)}")
     p = PRESETS[name]
     config_cls = getattr(tf, _FAMILIES[p.family][0])
+    dense = {} if p.mlp is None else {"intermediate_size": p.mlp}
     return config_cls(
         vocab_size=p.vocab,
         hidden_size=p.hidden,
-        intermediate_size=p.mlp,
+        **dense,
         num_hidden_layers=layers or p.layers,
         num_attention_heads=p.heads,
         num_key_value_heads=p.kv_heads,

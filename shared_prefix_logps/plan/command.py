@@ -62,6 +62,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the fused head's statistics: triton or torch (default: triton on cuda, torch on cpu)",
     )
     parser.add_argument(
+        "--token-budget",
+        type=int,
+        default=None,
+        help="compute_logps's token_budget: the most tokens a no-grad chunk of rows forwards (default: the library's)",
+    )
+    parser.add_argument(
+        "--sdpa-repeats-kv",
+        default=None,
+        choices=("yes", "no"),
+        help="whether expand's CUDA attention kernel needs grouped KV heads repeated (no: cuDNN on sm90 takes them "
+        "natively); default: not known, the larger prediction",
+    )
+    parser.add_argument(
         "--methods", default=",".join(METHODS), help="comma-separated methods to plan (default: %(default)s)"
     )
     parser.add_argument("--max-generations", action="store_true", help="also the largest power-of-two G that fits")
@@ -97,10 +110,14 @@ def run(args: argparse.Namespace) -> int:
             optimizer=args.optimizer,
             generations_per_chunk=args.generations_per_chunk,
             padded_prompts=not args.unpadded_prompts,
+            token_budget=args.token_budget,
         )
         kind = args.engine or ("single" if args.gpus == 1 else "fsdp2")
         memory = parse_memory_size(args.gpu_memory)
-        engine = Engine(kind, args.gpus, args.device, memory, head_implementation=args.head_implementation)
+        repeats = None if args.sdpa_repeats_kv is None else args.sdpa_repeats_kv == "yes"
+        engine = Engine(
+            kind, args.gpus, args.device, memory, head_implementation=args.head_implementation, repeats_kv=repeats
+        )
     except (TypeError, ValueError) as error:
         raise SystemExit(f"shared-prefix-logps plan: {_with_option(error)}") from error
     plans = plan(dims, workload, engine, methods)
@@ -177,6 +194,8 @@ _OPTION_OF = {
     "unknown preset": "--model",
     "gpu_memory": "--gpu-memory",
     "head_implementation": "--head-implementation",
+    "token_budget": "--token-budget",
+    "repeats_kv": "--sdpa-repeats-kv",
 }
 
 
@@ -198,7 +217,11 @@ def _settings(dims, workload: Workload, engine: Engine) -> str:
     from .memory import plan_memory
 
     if not workload.train:
-        return "settings: no-grad scoring batches within token_budget=32768 (the default)"
+        from ..engine.budget import DEFAULT_TOKEN_BUDGET
+
+        if workload.token_budget is None:
+            return f"settings: no-grad scoring batches within token_budget={DEFAULT_TOKEN_BUDGET} (the default)"
+        return f"settings: no-grad scoring batches within token_budget={workload.token_budget}"
     if engine.memory_bytes is None:
         return f"settings: chunked_backward(generations_per_chunk={workload.chunk_generations})"
     chunk, best = 1, None

@@ -7,12 +7,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 #: Config fields every prediction needs (``head_dim``, ``num_key_value_heads`` and ``tie_word_embeddings`` have
-#: defaults, as in transformers).
+#: defaults, as in transformers). ``intermediate_size``, the dense MLP's width, is needed only by a config with a
+#: dense MLP layer: a family whose every layer is routed (Qwen3.5-MoE) has no such field.
 REQUIRED_FIELDS = (
     "hidden_size",
     "num_hidden_layers",
     "num_attention_heads",
-    "intermediate_size",
     "vocab_size",
 )
 
@@ -33,6 +33,11 @@ MOE_MODEL_TYPES = (
     "qwen3_5_moe_text",
     "qwen3_next",
 )
+
+#: Mixture-of-experts families whose every decoder layer is routed, whatever ``decoder_sparse_step`` or
+#: ``mlp_only_layers`` say (transformers builds their layers' MLP as the sparse block unconditionally): their configs
+#: have no dense ``intermediate_size``.
+ALL_ROUTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
 
 #: Linear-attention hybrids whose Gated DeltaNet layers :class:`LinearAttention` sizes (the families the library
 #: forks recurrent states of): their configs' ``linear_attention`` layers are planned, their attention layers are
@@ -168,7 +173,7 @@ class ModelDims:
 
     Attributes:
         hidden, layers, heads, kv_heads, head_dim, v_head_dim, intermediate, vocab: the config's sizes
-            (``intermediate``: the dense layers' MLP width).
+            (``intermediate``: the dense layers' MLP width; 0 for a model without a dense MLP layer).
         tied: whether the LM head shares the embedding's weight.
         qkv_bias: whether q/k/v projections have a bias (Qwen2).
         sliding_window: the config's sliding window (None: none); a window shorter than the keys makes ``expand``
@@ -339,16 +344,36 @@ def _field(config: dict, name: str, field: str, *, default=None, minimum: int = 
     return value
 
 
+def _layer_kinds(config: dict, name: str, layers: int) -> list[str] | None:
+    """The config's ``layer_types`` (None when it has none), checked as transformers checks it: a list of layer
+    kinds, one per decoder layer.
+
+    Raises:
+        ValueError: naming ``layer_types`` when it is not a list of strings or its length is not the layer count.
+    """
+    kinds = config.get("layer_types")
+    if kinds is None:
+        return None
+    if not isinstance(kinds, (list, tuple)) or not all(isinstance(kind, str) for kind in kinds):
+        raise ValueError(f"config {name!r}: field 'layer_types' must be a list of layer kinds, got {kinds!r}")
+    if len(kinds) != layers:
+        raise ValueError(
+            f"config {name!r}: field 'layer_types' lists {len(kinds)} layers for num_hidden_layers={layers}; "
+            "it needs one kind per decoder layer"
+        )
+    return list(kinds)
+
+
 def _refuse_unmodelled_layers(config: dict, name: str) -> None:
     """Layers that are neither softmax attention nor the Gated DeltaNet layers of :data:`LINEAR_ATTENTION_MODEL_TYPES`
     (other linear attention, state-space mixers) are refused by name: the plan has no terms for them, and the library
     refuses such models."""
-    kinds = config.get("layer_types")
-    if isinstance(kinds, (list, tuple)):
+    kinds = _layer_kinds(config, name, _field(config, name, "num_hidden_layers"))
+    if kinds is not None:
         known = {"full_attention", "sliding_attention", "chunked_attention"}
         if config.get("model_type") in LINEAR_ATTENTION_MODEL_TYPES:
             known.add("linear_attention")
-        other = sorted({str(kind) for kind in kinds} - known)
+        other = sorted(set(kinds) - known)
         if other:
             raise ValueError(
                 f"config {name!r} (model type {config.get('model_type')!r}) has {', '.join(other)} layers; plan models "
@@ -363,29 +388,55 @@ def linear_from_config(config: dict, name: str) -> LinearAttention | None:
     where the config lists none.
 
     Raises:
-        ValueError: a missing or malformed linear-attention field, named.
+        ValueError: a missing or malformed linear-attention field, named: sizes that are not positive integers,
+            ``layer_types`` not one kind per layer, value heads that are not a multiple of the key heads (the layer
+            repeats each key head over a group of value heads).
     """
     if config.get("model_type") not in LINEAR_ATTENTION_MODEL_TYPES:
         return None
     layers = _field(config, name, "num_hidden_layers")
-    kinds = config.get("layer_types")
-    if not isinstance(kinds, (list, tuple)):
+    kinds = _layer_kinds(config, name, layers)
+    if kinds is None:
         interval = _field(config, name, "full_attention_interval", default=4)
         kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
-    if len(kinds) < layers:
-        raise ValueError(f"config {name!r}: layer_types lists {len(kinds)} layers for num_hidden_layers={layers}")
     fields = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
     missing = [field for field in fields if config.get(field) is None]
     if missing:
         raise ValueError(f"config {name!r}: a Gated DeltaNet hybrid's config needs {', '.join(missing)}")
+    key_heads = _field(config, name, "linear_num_key_heads")
+    value_heads = _field(config, name, "linear_num_value_heads")
+    if value_heads % key_heads:
+        raise ValueError(
+            f"config {name!r}: field 'linear_num_value_heads' ({value_heads}) must be a multiple of "
+            f"'linear_num_key_heads' ({key_heads}): each key head serves a group of value heads"
+        )
     return LinearAttention(
         layers=tuple(i for i in range(layers) if kinds[i] == "linear_attention"),
-        key_heads=_field(config, name, "linear_num_key_heads"),
-        value_heads=_field(config, name, "linear_num_value_heads"),
+        key_heads=key_heads,
+        value_heads=value_heads,
         key_dim=_field(config, name, "linear_key_head_dim"),
         value_dim=_field(config, name, "linear_value_head_dim"),
         conv_kernel=_field(config, name, "linear_conv_kernel_dim", default=4),
     )
+
+
+def _layer_indices(config: dict, name: str, field: str, layers: int) -> set[int]:
+    """The config's list of decoder-layer indices ``field`` (empty when absent), each in ``[0, layers)``.
+
+    Raises:
+        ValueError: naming ``field`` when it is not a list of such indices.
+    """
+    value = config.get(field)
+    if value is None:
+        return set()
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in value
+    ):
+        raise ValueError(
+            f"config {name!r}: field {field!r} must be a list of layer indices in [0, {layers}) "
+            f"(num_hidden_layers={layers}), got {value!r}"
+        )
+    return set(value)
 
 
 def experts_from_config(config: dict, name: str) -> Experts | None:
@@ -394,11 +445,17 @@ def experts_from_config(config: dict, name: str) -> Experts | None:
 
     Raises:
         ValueError: a config with expert counts of a family not in :data:`MOE_MODEL_TYPES` (not planned as dense),
-            or an expert field that is not a positive integer, named.
+            or a malformed expert field, named: a size that is not a positive integer, more experts per token than
+            experts, layer indices outside the model, expert groups that do not divide the experts.
     """
     counts = {field: _field(config, name, field, minimum=0) for field in EXPERT_COUNT_FIELDS}
-    count = next((value for value in counts.values() if value), 0)
+    count_field, count = next(((field, value) for field, value in counts.items() if value), (None, 0))
     model_type = config.get("model_type")
+    if model_type in ALL_ROUTED_MODEL_TYPES and not count:
+        raise ValueError(
+            f"config {name!r}: a {model_type} config needs 'num_experts' (a positive integer): every one of its "
+            "layers is routed"
+        )
     if not count:
         return None
     if model_type not in MOE_MODEL_TYPES:
@@ -407,12 +464,20 @@ def experts_from_config(config: dict, name: str) -> Experts | None:
             f"config {name!r}: model type {model_type!r} has routed experts ({fields}), but plan does not know how "
             f"that family lays out its experts, shared experts and routers; it knows {', '.join(MOE_MODEL_TYPES)}"
         )
-    per_token = _field(config, name, "num_experts_per_tok") or _field(config, name, "experts_per_token")
+    per_token_field = "num_experts_per_tok" if config.get("num_experts_per_tok") is not None else "experts_per_token"
+    per_token = _field(config, name, per_token_field)
     if per_token is None:
         raise ValueError(f"config {name!r}: a MoE config needs 'num_experts_per_tok' (experts per token)")
+    if per_token > count:
+        raise ValueError(
+            f"config {name!r}: field {per_token_field!r} ({per_token}) exceeds the routed experts "
+            f"({count_field}={count}): a token cannot go to more experts than there are"
+        )
     layers = _field(config, name, "num_hidden_layers")
     if model_type in ("mixtral", "gpt_oss"):
         width = _field(config, name, "intermediate_size")
+        if width is None:
+            raise ValueError(f"config {name!r}: a {model_type} config needs 'intermediate_size' (its experts' width)")
         routed = tuple(range(layers))
         return Experts(
             count, per_token, width, routed, bias=model_type == "gpt_oss", router_bias=model_type == "gpt_oss"
@@ -420,16 +485,35 @@ def experts_from_config(config: dict, name: str) -> Experts | None:
     width = _field(config, name, "moe_intermediate_size")
     if width is None:
         raise ValueError(f"config {name!r}: a {model_type} config needs 'moe_intermediate_size'")
-    if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text"):
-        step = _field(config, name, "decoder_sparse_step", default=1)
-        dense = set(config.get("mlp_only_layers") or ())
-        routed = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+    if model_type in ("qwen2_moe", "qwen3_moe", "qwen3_next", *ALL_ROUTED_MODEL_TYPES):
         shared = _field(config, name, "shared_expert_intermediate_size", default=0, minimum=0)
+        if model_type in ALL_ROUTED_MODEL_TYPES:
+            routed = tuple(range(layers))
+        else:
+            step = _field(config, name, "decoder_sparse_step", default=1)
+            dense = _layer_indices(config, name, "mlp_only_layers", layers)
+            routed = tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
         if model_type == "qwen3_moe":
             shared = 0
         return Experts(count, per_token, width, routed, shared_intermediate=shared, shared_gate=bool(shared))
-    # deepseek_v3, glm4_moe: the first layers dense, then routed experts beside shared ones of the same width.
+    # deepseek_v3, glm4_moe: the first layers dense, then routed experts beside shared ones of the same width; the
+    # router picks experts within its best groups (``n_group`` groups of ``count / n_group``, ``topk_group`` kept).
     first_dense = _field(config, name, "first_k_dense_replace", default=0, minimum=0)
+    if first_dense > layers:
+        raise ValueError(
+            f"config {name!r}: field 'first_k_dense_replace' ({first_dense}) exceeds num_hidden_layers ({layers})"
+        )
+    groups = _field(config, name, "n_group", default=1)
+    kept = _field(config, name, "topk_group", default=groups)
+    if count % groups:
+        raise ValueError(f"config {name!r}: field 'n_group' ({groups}) must divide {count_field} ({count})")
+    if kept > groups:
+        raise ValueError(f"config {name!r}: field 'topk_group' ({kept}) exceeds 'n_group' ({groups})")
+    if per_token > kept * (count // groups):
+        raise ValueError(
+            f"config {name!r}: field {per_token_field!r} ({per_token}) exceeds the experts of the {kept} groups "
+            f"the router keeps ('topk_group' x {count_field} / 'n_group' = {kept * (count // groups)})"
+        )
     shared = _field(config, name, "n_shared_experts", default=0, minimum=0) * width
     return Experts(count, per_token, width, tuple(range(first_dense, layers)), shared_intermediate=shared)
 
@@ -438,10 +522,12 @@ def dims_from_config(config: dict, *, name: str = "config") -> ModelDims:
     """:class:`ModelDims` from a transformers config dict (a multimodal config's ``text_config`` is used).
 
     Mixture-of-experts configs of the families in :data:`MOE_MODEL_TYPES` count every expert; other configs with
-    expert counts, and configs with layers other than softmax attention, are refused by name.
+    expert counts, and configs with layers other than softmax attention, are refused by name. ``intermediate_size``
+    is read where some layer has a dense MLP (a family whose every layer is routed, Qwen3.5-MoE, has none).
 
     Raises:
-        ValueError: naming the fields the config lacks or holds non-positive or non-integer values in.
+        ValueError: naming the fields the config lacks or holds malformed values in (non-positive or non-integer
+            sizes, a layer pattern that is not one kind per layer, more experts per token than experts).
     """
     if not isinstance(config, dict):
         raise TypeError(f"config must be a dict, a config.json path or a preset name, got {type(config).__name__}")
@@ -452,6 +538,7 @@ def dims_from_config(config: dict, *, name: str = "config") -> ModelDims:
         raise ValueError(f"config {name!r} lacks {', '.join(missing)}: plan needs {', '.join(REQUIRED_FIELDS)}")
     _refuse_unmodelled_layers(config, name)
     hidden = _field(config, name, "hidden_size")
+    layers = _field(config, name, "num_hidden_layers")
     heads = _field(config, name, "num_attention_heads")
     kv_heads = _field(config, name, "num_key_value_heads", default=heads)
     head_dim = _field(config, name, "head_dim") or hidden // heads
@@ -481,14 +568,24 @@ def dims_from_config(config: dict, *, name: str = "config") -> ModelDims:
         extra += hidden  # attention_bias covers the output projection too
     # transformers drops the window of a config that turns it off (Qwen2's use_sliding_window=False); 0 is none.
     window = _field(config, name, "sliding_window", minimum=0) if config.get("use_sliding_window", True) else None
+    experts = experts_from_config(config, name)
+    dense_layers = layers - (0 if experts is None else len(experts.layers))
+    intermediate = _field(config, name, "intermediate_size")
+    if intermediate is None:
+        if dense_layers:
+            raise ValueError(
+                f"config {name!r} lacks intermediate_size: {dense_layers} of its {layers} layers have a dense MLP "
+                "of that width"
+            )
+        intermediate = 0  # every layer routed: no dense MLP
     dims = ModelDims(
         hidden=hidden,
-        layers=_field(config, name, "num_hidden_layers"),
+        layers=layers,
         heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
         v_head_dim=v_head_dim,
-        intermediate=_field(config, name, "intermediate_size"),
+        intermediate=intermediate,
         vocab=_field(config, name, "vocab_size"),
         tied=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
@@ -496,7 +593,7 @@ def dims_from_config(config: dict, *, name: str = "config") -> ModelDims:
         name=name,
         norms_per_layer=NORMS_PER_LAYER.get(model_type, 2),
         attention_extra=extra,
-        experts=experts_from_config(config, name),
+        experts=experts,
         latent=latent,
         linear=linear_from_config(config, name),
         attention_gate=model_type in LINEAR_ATTENTION_MODEL_TYPES and bool(config.get("attn_output_gate", True)),
@@ -536,11 +633,12 @@ def dims_from_preset(name: str) -> ModelDims:
         "num_attention_heads": p.heads,
         "num_key_value_heads": p.kv_heads,
         "head_dim": p.head_dim,
-        "intermediate_size": p.mlp,
         "vocab_size": p.vocab,
         "tie_word_embeddings": p.tied,
         **dict(p.extra),
     }
+    if p.mlp is not None:  # None: every layer routed, no dense MLP width
+        config["intermediate_size"] = p.mlp
     return dims_from_config(config, name=name)
 
 

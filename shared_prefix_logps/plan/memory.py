@@ -21,15 +21,19 @@ With gradient checkpointing only the layer input (H x s) stays; one layer's term
 Per method (``dense`` forwards R rows of their real prompt tokens and C completion columns, without a padding
 mask, prompts of one real length together; ``trl`` R rows of P + C tokens with their padding mask; ``expand``,
 ``flex`` and ``chunked`` the node calls above):
-    dense     logits (R, C + 1, V) x s, float32 (R, C, V) tempered logits and log-probs, their gradients in backward
+    dense     logits (R, C + 1, V) x s, in half precision a float32 (R, C, V) copy of them (the logits freed before
+              the log-softmax runs; the copy, or in float32 the logits, referenced until the step returns), float32
+              log-probs, their gradients in backward
     trl       TRL's fused head: (min(N, 4096), min(V, 32768)) tiles, N = all R x (P + C - 1) positions where Triton
               is not used (CPU), the scored ones on CUDA; float32 (V, H) weight gradient
     expand    SDPA's padded queries and outputs (:func:`_expand_saved`), additive masks (16-aligned key dims; none
               for the prompts' call unless a window hides keys, one row's for the completions when every prompt
               has P real tokens) and per-row gathered prompt K/V (:func:`expand_terms`, sizes from
               ``backends.expand_memory``). On CPU SDPA saves the gathered K/V of every layer. On CUDA, the fused
-              path, KV heads are repeated for a kernel that rejects grouped heads (counted whenever heads are
-              grouped: an upper bound), the prompts' SDPA saves its repeated K/V in every layer, and the
+              path, KV heads are repeated for a kernel that rejects grouped heads (counted unless
+              ``Engine.repeats_kv`` says the kernel takes them; not known, counted, an upper bound of the terms,
+              and without gradients the larger peak of the two cuts of the rows the token budget then makes), the
+              prompts' SDPA saves its repeated K/V in every layer, and the
               completions' gathered attention is recomputed in backward: no per-row copy or log-sum-exp saved, but a
               layer's attention backward holds its gathered (or repeated) K/V and their gradients at once
     flex      no per-row copies: each layer saves packed [prompts ; completions] keys/values (a copy of the
@@ -38,7 +42,8 @@ mask, prompts of one real length together; ``trl`` R rows of P + C tokens with t
               a time (``generations_per_chunk``, G/4 as the bench runs it by default), whose fused head keeps its
               logits for backward where they fit; the head's and the embedding's weight gradients in float32
               buffers through the call (one device, full training)
-    no-grad   chunks of rows within the default token budget (``engine.budget``), a leaf call keeping no K/V
+    no-grad   chunks of rows within the token budget (``engine.budget``; ``Workload.token_budget``), a leaf call
+              keeping no K/V
     all shared methods: the prompts' call runs the final norm over the prompts too; the fused head's row chunks
     (``kernels.fused_head``: float32 logits of <= 256 MiB on CPU, <= 8 GiB on CUDA) with the torch statistics'
     float32 temporaries beside them (CPU, or CUDA where Triton cannot launch: ``Engine.head_implementation``), its
@@ -65,7 +70,7 @@ allocated); :class:`MemoryPlan` keeps the terms of the moment that wins, and tho
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..backends.expand_memory import AttentionShape, kv_bytes, mask_bytes
 from .dims import ModelDims
@@ -176,20 +181,23 @@ def _head_chunk_rows(dims: ModelDims, rows: int, engine: Engine, itemsize: int) 
 def _fused_head(dims: ModelDims, w: Workload, engine: Engine, scored: int, *, keep: bool = False) -> tuple[dict, dict]:
     """The library's fused head over ``scored`` rows: (forward transient, backward transient) terms. With ``keep``
     (the chunked backwards, where the logits fit: ``kernels.fused_head.keep_logits_bytes``) forward keeps every
-    chunk's logits for backward instead of recomputing them."""
+    chunk's logits for backward instead of recomputing them: the chunk being computed is one of the kept ones, so
+    only what the statistics hold beside a chunk's logits is a term of its own."""
     s, v = w.itemsize, dims.vocab
     chunk = _head_chunk_rows(dims, scored, engine, s)
     # The torch statistics (CPU, and CUDA where Triton cannot launch) hold a float32 copy beside the chunk's
-    # logits, and three float32 buffers in backward; the Triton kernels work in the logits' buffer, and backward
-    # adds its cast for the matmuls.
-    forward_per_entry, backward_per_entry = (s, 2 * s) if engine.head_statistics == "triton" else (s + 4, s + 12)
-    forward = {"head chunk": chunk * v * forward_per_entry, "head input": scored * dims.hidden * s}
+    # logits, and three float32 buffers in backward. The Triton kernels work in the logits' buffer, in forward and in
+    # backward, where the gradient overwrites the (recomputed or kept) logits in their dtype, the hidden states'
+    # (``kernels.fused_head.chunk_logit_bytes``): the matmuls read that buffer, no cast of it is made.
+    forward_per_entry, backward_per_entry = (s, s) if engine.head_statistics == "triton" else (s + 4, s + 12)
+    kept = s if keep else 0
+    forward = {"head chunk": chunk * v * (forward_per_entry - kept), "head input": scored * dims.hidden * s}
     if keep:
         forward["kept logits"] = scored * v * s
     if not w.train:
         return forward, {}
     backward = {
-        "head chunk": chunk * v * (backward_per_entry - (s if keep else 0)),
+        "head chunk": chunk * v * (backward_per_entry - kept),
         "head input": scored * dims.hidden * s,
         "head input grad": scored * dims.hidden * s,
         "head weight grad (fp32)": _head_weight_grad(dims, w),
@@ -204,6 +212,13 @@ def keeps_logits(dims: ModelDims, w: Workload, engine: Engine, scored: int) -> b
     on CPU, one head chunk's budget on CUDA)."""
     budget = CUDA_HEAD_CHUNK_BYTES if engine.device == "cuda" else 4 * CPU_HEAD_CHUNK_BYTES
     return scored * dims.vocab * w.itemsize <= budget
+
+
+def repeats_kv_heads(dims: ModelDims, engine: Engine) -> bool:
+    """Whether ``expand``'s attention holds KV heads repeated per query head on ``engine``: on the fused path, for
+    grouped heads, unless the engine says its kernel takes them natively (``Engine.repeats_kv`` False; None counts
+    them, the upper bound of the terms)."""
+    return fused_attention_path(engine) and dims.heads > dims.kv_heads and engine.repeats_kv is not False
 
 
 def fused_attention_path(engine: Engine) -> bool:
@@ -225,8 +240,8 @@ def expand_terms(dims: ModelDims, w: Workload, engine: Engine, rows: int) -> dic
       tokens and no window hides a key;
     - ``gathered K/V (one layer)``: each row's [prompt ; own] keys and values;
     - ``repeated K/V (one layer)``, ``prompt repeated K/V (one layer)``: on the fused path with grouped heads, the
-      rows' and the prompts' keys and values repeated to every query head. Counted whether or not the kernel
-      torch picks takes grouped heads natively (which depends on the GPU, torch and cuDNN): an upper bound.
+      rows' and the prompts' keys and values repeated to every query head. Counted unless ``Engine.repeats_kv``
+      says the kernel takes grouped heads natively (which depends on the GPU, torch and cuDNN): an upper bound.
 
     Masks are allocated with their key dim rounded up to a multiple of 16 (``expand_memory.MASK_ALIGNMENT``), so
     that SDPA's memory-efficient kernel does not copy them in every layer.
@@ -234,7 +249,7 @@ def expand_terms(dims: ModelDims, w: Workload, engine: Engine, rows: int) -> dic
     shape = attention_shape(dims, w)
     p, c = w.prompt_len, w.completion_len
     rows_masked = w.padded_prompts or dims.windowed(p + c)
-    repeats = fused_attention_path(engine) and dims.kv_heads != dims.heads
+    repeats = repeats_kv_heads(dims, engine)
     return {
         "prompt mask": w.prompts * mask_bytes(p, p, w.itemsize) if dims.windowed(p) else 0,
         "row masks": (rows if rows_masked else 1) * mask_bytes(c, p + c, w.itemsize),
@@ -319,13 +334,31 @@ def _dense_like(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _M
         else:
             rows = w.largest_dense_bucket_rows
             tokens = rows * width
-        keep = rows * (c + 1) * v * s
-        tempered = rows * c * v * 4
-        upcast = tempered if s != 4 else 0
-        head_forward = {"logits": keep, "fp32 logits copy": upcast, "fp32 tempered logits": tempered}
-        head_after = {"fp32 tempered logits": tempered, "fp32 log-probs": tempered}
-        head_backward = {"fp32 log-probs": tempered, "fp32 log-prob grads": 2 * tempered}
-        head_weight_backward = {"logits grad": keep, "head weight grad": _head_weight_grad(dims, w) * s // 4}
+        # One group's head: ``model(...).logits[:, :-1].float()`` then ``log_softmax``. In half precision the float32
+        # copy is made while the model's logits exist, and those, referenced by nothing once the statement ends, are
+        # freed before the log-softmax allocates its output; in float32 ``.float()`` is the logits themselves. What
+        # the log-softmax read stays referenced by the method's ``logits`` until the next group's replace it, or
+        # the step returns (through backward, for the last group: the longest prompt's, the largest).
+        group = w.largest_dense_bucket_rows
+        keep, log_probs = group * (c + 1) * v * s, group * c * v * 4
+        read = log_probs if s != 4 else keep
+        read_name = "fp32 logits copy" if s != 4 else "logits"
+        # An earlier group's (the groups are one prompt's G rows each when lengths differ) is still referenced
+        # while the next group's logits are made.
+        previous = read if group < w.rows else 0
+        head_forward = {"previous group's logits": previous, "logits": keep, "fp32 logits copy": read if s != 4 else 0}
+        # With gradients every group's log-softmax output is saved for backward; backward runs the last group's
+        # first: the gradient of its gather and of its log-softmax, each the size of its log-probs.
+        saved = rows * c * v * 4 if w.train else log_probs
+        head_after = {read_name: read, "fp32 log-probs": saved}
+        head_backward = {read_name: read, "fp32 log-probs": saved, "fp32 log-prob grads": 2 * log_probs}
+        head_weight_backward = {
+            read_name: read,
+            "logits grad": keep,
+            "head weight grad": _head_weight_grad(dims, w) * s // 4,
+        }
+        if w.train:
+            head_forward["fp32 log-probs"] = saved - log_probs  # the earlier groups'
     else:
         # TRL's fused head: every position where Triton is not used (CPU), the scored ones on CUDA; a
         # (min(N, 4096), 32768) matmul buffer whatever V is, and the torch fallback's float32 temporaries over the
@@ -352,8 +385,8 @@ def _dense_like(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _M
         body = tokens * layer_transient_bytes_per_token(dims, s) + (tokens * dims.hidden * s if dims.layers > 1 else 0)
         # dense's groups run shortest prompt first; an earlier group's logits stay referenced until the next
         # group's forward returns, so the longest prompt's forward runs beside them.
-        grouped = method == "dense" and rows < w.rows
-        m.add(**{"layer transient": body, "attention mask": mask, "previous group's logits": keep if grouped else 0})
+        previous = head_forward.get("previous group's logits", 0) if method == "dense" else 0
+        m.add(**{"layer transient": body, "attention mask": mask, "previous group's logits": previous})
         # The decoder's hidden states are gone once the model returns its logits; TRL's head reads them.
         m.add(**head_forward)
         m.add(**head_after)
@@ -368,12 +401,13 @@ def _dense_like(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _M
     m.add(**acts, **head_weight_backward, **{"recomputed layer": _recompute(dims, w, tokens)})
     if method == "dense" and engine.device == "cpu":
         # The last group's logits stay referenced by the step until it returns, through the end of backward.
-        last_group = w.largest_dense_bucket_rows * (c + 1) * v * s
-        m.add(**_end_of_backward(dims, w, engine), **{"last group's logits": last_group})
+        m.add(**_end_of_backward(dims, w, engine), **{"last group's logits": read})
     return m
 
 
-def _expand_saved(dims: ModelDims, s: int, tokens: int, nodes: int, width: int, ancestors: int, fused: bool) -> int:
+def _expand_saved(
+    dims: ModelDims, s: int, tokens: int, nodes: int, width: int, ancestors: int, fused: bool, repeats: bool
+) -> int:
     """Bytes one layer of an ``expand`` node call saves for backward beyond :func:`layer_bytes_per_token` of its
     ``tokens`` packed tokens: its ``nodes`` padded to ``width`` queries, each over ``ancestors`` ancestor tokens.
 
@@ -393,21 +427,21 @@ def _expand_saved(dims: ModelDims, s: int, tokens: int, nodes: int, width: int, 
     if ancestors:
         keys = nodes * (ancestors + width) * kv - tokens * kv  # the gathered copies; the leaf's own are freed
     else:
-        keys = 0 if fused and dims.heads > dims.kv_heads else padded * kv
+        keys = 0 if repeats else padded * kv
     return query + output + keys
 
 
-def _scoring_chunk(dims: ModelDims, w: Workload, engine: Engine, method: str) -> tuple[int, int]:
-    """(prompts, rows) of the largest chunk a no-grad call takes within the default token budget: rows go in
-    depth-first order (a prompt's G rows together), and a chunk counts its prompts' nodes and its rows' nodes at the
-    call's largest, memory terms included (``engine.budget``, ``expand`` only; the packed layouts count tokens)."""
+def scoring_chunk(dims: ModelDims, w: Workload, engine: Engine, method: str) -> tuple[int, int]:
+    """(prompts, rows) of the largest chunk a no-grad call takes within the token budget (``Workload.token_budget``,
+    else the default): rows go in depth-first order (a prompt's G rows together), and a chunk counts its prompts'
+    nodes and its rows' nodes at the call's largest, memory terms included (``engine.budget``, ``expand`` only; the
+    packed layouts count tokens)."""
     from ..engine.budget import DEFAULT_TOKEN_BUDGET, NodeCosts
 
     p, c = w.prompt_len, w.completion_len
     costs = NodeCosts(None)
     if method != "flex":
-        repeats = fused_attention_path(engine) and dims.heads > dims.kv_heads
-        costs = NodeCosts(attention_shape(dims, w), repeats_kv=repeats)
+        costs = NodeCosts(attention_shape(dims, w), repeats_kv=repeats_kv_heads(dims, engine))
     shared = not (w.padded_prompts or dims.windowed(p + c))
     per_prompt = costs.node_tokens(0, p)
     per_row = costs.node_tokens(p, c, own_mask=not shared)
@@ -417,7 +451,7 @@ def _scoring_chunk(dims: ModelDims, w: Workload, engine: Engine, method: str) ->
     for row in range(w.rows):
         first = row % w.generations == 0  # the row's prompt joins the chunk
         cost = (prompts + first) * per_prompt + (rows + 1) * per_row + fixed
-        if rows and cost > DEFAULT_TOKEN_BUDGET:
+        if rows and cost > (w.token_budget or DEFAULT_TOKEN_BUDGET):
             largest = max(largest, (rows, prompts))
             prompts, rows, first = 0, 0, True
         prompts += first
@@ -436,7 +470,7 @@ def _shared(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _Momen
     m = _Moments()
     prompt_share, row_share = w.real_prompt_tokens / w.prompts, w.scored / w.rows  # real tokens per prompt, per row
     if not w.train:
-        prompts, rows = _scoring_chunk(dims, w, engine, method)
+        prompts, rows = scoring_chunk(dims, w, engine, method)
     elif method == "chunked":
         prompts, rows = w.prompts, w.prompts * w.chunk_generations
     else:
@@ -486,8 +520,9 @@ def _shared(dims: ModelDims, w: Workload, engine: Engine, method: str) -> _Momen
         prompt_extra = 0
         row_extra = packed["packed K/V (one layer)"] - row_tokens * kv_per_token
     else:
-        prompt_extra = _expand_saved(dims, s, prompt_tokens, prompts, p, 0, fused)
-        row_extra = _expand_saved(dims, s, row_tokens, rows, c, p, fused)
+        repeats = repeats_kv_heads(dims, engine)
+        prompt_extra = _expand_saved(dims, s, prompt_tokens, prompts, p, 0, fused, repeats)
+        row_extra = _expand_saved(dims, s, row_tokens, rows, c, p, fused, repeats)
     # The prompts' call runs the final norm over every prompt token (its head reads the last token of each).
     prompt_final_norm = prompt_tokens * (final_norm_bytes_per_token(dims, s) - dims.hidden * s)
     prompt_acts = _activations(dims, w, prompt_tokens, extra_per_layer=prompt_extra) + prompt_final_norm
@@ -555,6 +590,10 @@ def plan_memory(method: str, dims: ModelDims, workload: Workload, engine: Engine
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
     moments = (_dense_like if method in ("dense", "trl") else _shared)(dims, workload, engine, method)
+    if method == "expand" and not workload.train and engine.repeats_kv is None and repeats_kv_heads(dims, engine):
+        # Not known whether the kernel repeats the KV heads: a repeat makes each row cost more of the token budget,
+        # so chunks hold fewer rows. The peak is the larger of the two cuts' (each with its own terms).
+        moments.moments += _shared(dims, workload, replace(engine, repeats_kv=False), method).moments
     moments.add(**_end_of_backward(dims, workload, engine))
     state = _model_state(dims, workload, engine)
     terms = {**state, **moments.peak()}

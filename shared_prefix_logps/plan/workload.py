@@ -50,6 +50,8 @@ class Workload:
         padded_prompts: whether some prompt is left-padded. ``expand`` then builds the completions' node call a mask
             per row; unpadded prompts (without a window shorter than the keys) share one row's mask. True unless
             known otherwise: the larger prediction.
+        token_budget: ``compute_logps``'s ``token_budget``: without gradients, the most tokens (with ``expand``, its
+            memory terms counted as tokens) a chunk of rows forwards at once (None: ``DEFAULT_TOKEN_BUDGET``).
     """
 
     prompts: int
@@ -65,6 +67,7 @@ class Workload:
     prompt_tokens: int | None = None
     generations_per_chunk: int | None = None
     padded_prompts: bool = True
+    token_budget: int | None = None
 
     def __post_init__(self):
         _positive_int("prompts", self.prompts)
@@ -72,6 +75,8 @@ class Workload:
         _positive_int("completion_len", self.completion_len)
         _positive_int("generations", self.generations)
         _choice("workload", self.mode, WORKLOADS)
+        if self.token_budget is not None:
+            _positive_int("token_budget", self.token_budget)
         _choice("dtype", self.dtype, tuple(DTYPE_BYTES))
         _choice("optimizer", self.optimizer, tuple(OPTIMIZER_STATE_BYTES))
         if self.lora_fraction is not None and not 0 < self.lora_fraction <= 1:
@@ -174,6 +179,13 @@ class Engine:
         memory_bytes: one device's memory, for the "fits" verdict (None: no verdict).
         head_implementation: the fused head's statistics, ``triton`` or ``torch`` (None: ``triton`` on ``cuda``,
             ``torch`` on ``cpu``); CUDA runs the torch one where Triton kernels cannot launch.
+        repeats_kv: on ``cuda``, whether the SDPA kernel ``expand`` runs needs a grouped-query model's KV heads
+            repeated per query head: True (a kernel without grouped-query support, or the math kernel), False (one
+            that takes them natively: cuDNN on sm90, the memory-efficient kernel after torch 2.11). The library asks
+            torch which kernel a call gets; the plan cannot, so None (not known) counts the repeated copies (an upper
+            bound of the terms) and, without gradients, the larger peak of the two ways the token budget then cuts
+            the rows into chunks (a repeat makes a row cost more, so chunks hold fewer rows). Ignored on ``cpu``
+            (no fused kernel there).
     """
 
     kind: str = "single"
@@ -182,6 +194,7 @@ class Engine:
     memory_bytes: int | None = None
     extra: dict = field(default_factory=dict)
     head_implementation: str | None = None
+    repeats_kv: bool | None = None
 
     def __post_init__(self):
         _choice("engine", self.kind, ENGINES)
@@ -191,6 +204,8 @@ class Engine:
             raise ValueError(f"engine 'single' runs on one device; got gpus={self.world_size} (use fsdp2 or zero3)")
         if self.memory_bytes is not None and self.memory_bytes <= 0:
             raise ValueError(f"gpu_memory must be positive, got {self.memory_bytes}")
+        if self.repeats_kv is not None and not isinstance(self.repeats_kv, bool):
+            raise TypeError(f"repeats_kv must be True, False or None, got {self.repeats_kv!r}")
         if self.head_implementation is not None:
             _choice("head_implementation", self.head_implementation, HEAD_IMPLEMENTATIONS)
             if self.device == "cpu" and self.head_implementation == "triton":

@@ -68,3 +68,20 @@ def test_flops_match_flop_counter(method, workload):
         predicted -= 2 * w.scored * dims.hidden * dims.vocab
     counted = _counted_flops(model, method, Shape(2, 64, 16, 4), workload == "train")
     assert abs(predicted / counted - 1) <= 0.05, (predicted, counted)
+
+
+@pytest.mark.parametrize("prompts", [1, 2])
+@pytest.mark.parametrize("workload", ["score", "train"])
+def test_dense_half_precision_head_within_tolerance(workload, prompts):
+    """bf16: ``dense`` upcasts its logits to a float32 copy (the bf16 logits freed before the log-softmax runs) and
+    keeps that copy referenced through backward; with two prompts of different lengths, a group per prompt."""
+    import torch
+
+    from shared_prefix_logps.bench.runner import run_cell
+    from shared_prefix_logps.plan import predicted_peak_bytes
+
+    model = build_model(CONFIG, "qwen2").to(torch.bfloat16)
+    (record,) = run_cell(model, ["dense"], Shape(prompts, 64, 16, 8), workload, repeats=0)
+    w = bench_workload(prompts, 64, 16, 8, mode=workload, dtype="bf16")
+    predicted = predicted_peak_bytes("dense", {**CONFIG, "model_type": "qwen2"}, w, device="cpu")
+    assert abs(predicted / record["peak_bytes"] - 1) <= TOLERANCE, (predicted, record["peak_bytes"])

@@ -57,8 +57,8 @@ def build_tokenizer():
 
 
 def build_model(family: str, vocab_size: int, eos: int, pad: int, seed: int = 0):
-    """A 2-layer Qwen2 (GQA, attention biases, tied embeddings) or a 3-layer Qwen3.5 hybrid (Gated DeltaNet, gated
-    attention, Gated DeltaNet), float32, with logits peaked enough that log-probs and entropies spread."""
+    """A 2-layer Qwen2 (GQA, attention biases) or a 3-layer Qwen3.5 hybrid (Gated DeltaNet, gated attention, Gated
+    DeltaNet), float32, with logits peaked enough that log-probs and entropies spread."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -135,7 +135,8 @@ def grpo_arguments(model_dir: Path, dataset: Path, output_dir: Path, **overrides
     settings = {
         "rlhf_type": "grpo",
         "model": str(model_dir),
-        "model_type": "qwen2" if "qwen2" in model_dir.name else "qwen3_5",
+        # ms-swift's qwen3_5 is the vision-language model: the text-only hybrid loads as an unregistered causal LM
+        "model_type": "qwen2" if model_dir.name == "qwen2" else None,
         "template": "qwen2_5",
         "dataset": str(dataset),
         "external_plugins": [str(REWARD_PLUGIN)],
@@ -164,6 +165,9 @@ def grpo_arguments(model_dir: Path, dataset: Path, output_dir: Path, **overrides
         "use_hf": "true",
         "check_model": "false",
         "log_completions": "false",
+        # A random model's flat distribution almost never samples EOS: stopping at any lowercase letter or digit
+        # (about one draw in seven) ends completions at different lengths.
+        "stop_words": list("abcdefghijklmnopqrstuvwxyz0123456789"),
     }
     settings.update(overrides)
     argv = []
@@ -176,12 +180,26 @@ def grpo_arguments(model_dir: Path, dataset: Path, output_dir: Path, **overrides
 
 
 @dataclass
+class Call:
+    """One log-prob call: grad mode, ``role`` (``"policy"`` or ``"ref_model"``, by the model passed), the rows and
+    masks it got, what it returned."""
+
+    grad: bool
+    role: str
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    completion_mask: torch.Tensor
+    logps: torch.Tensor
+    entropies: torch.Tensor | None
+    reference: torch.Tensor | None = None  # ms-swift's own log-probs of the same call (``with_reference``)
+
+
+@dataclass
 class Record:
     """What one ``swift rlhf`` run computed, in call order.
 
     Attributes:
-        calls: per log-prob call ``(grad enabled, role, input_ids, completion_mask, logps, entropies or None)``, role
-            ``"policy"`` or ``"ref_model"`` by the model passed.
+        calls: per log-prob call, a :class:`Call`.
         losses: per micro-batch, as ``training_step`` returned them.
         first_grads: parameter name -> gradient before the first optimizer step.
         params: trainable parameter name -> value after training.
@@ -205,11 +223,14 @@ def _forget_imported_plugins() -> None:
         del sys.modules[name]
 
 
-def run_grpo(monkeypatch, argv: list[str], *, count_embedded: bool = False) -> Record:
+def run_grpo(monkeypatch, argv: list[str], *, count_embedded: bool = False, with_reference: bool = False) -> Record:
     """Run ``swift rlhf`` with ``argv`` through ms-swift's own entry point in this process and record it.
 
     The recorder wraps what the trainer instance resolves when training starts (the plug-in's methods where the run
-    installed them), so it sees what ms-swift's loss receives."""
+    installed them), so it sees what ms-swift's loss receives. ``count_embedded``: record the token ids the input
+    embedding receives per call. ``with_reference``: also run ms-swift's own log-prob method (which the plug-in never
+    replaces: ``_get_per_token_logps_and_entropies_single``) on every call's inputs, without gradient, so that every
+    step compares against ms-swift on the same parameters."""
     from swift.pipelines import rlhf_main
     from swift.pipelines.train.sft import SwiftSft
     from transformers import TrainerCallback
@@ -239,14 +260,23 @@ def run_grpo(monkeypatch, argv: list[str], *, count_embedded: bool = False) -> R
                     hook.remove()
             role = "ref_model" if model is trainer.ref_model else "policy"
             entropies = None if out[1] is None else full(out[1])
+            reference = None
+            if with_reference:
+                from swift.trainers import disable_gradient_checkpointing
+
+                own = type(trainer)._get_per_token_logps_and_entropies_single
+                with torch.no_grad(), disable_gradient_checkpointing(model, trainer.args.gradient_checkpointing_kwargs):
+                    reference = own(trainer, model, dict(model_inputs), grpo_batch)[0]
             record.calls.append(
-                (
+                Call(
                     torch.is_grad_enabled(),
                     role,
                     full(model_inputs["input_ids"]),
+                    full(model_inputs["attention_mask"]),
                     full(grpo_batch.completion_mask),
                     full(out[0]),
                     entropies,
+                    reference,
                 )
             )
             record.embedded.append(embedded)

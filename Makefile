@@ -82,8 +82,8 @@ test-openrlhf: $(OPENRLHF_VENV)/.installed
 	$(OPENRLHF_PY) -m pytest -p no:cacheprovider -q -ra tests/integrations/openrlhf
 
 # The ms-swift plug-in's tests in their own venv: ms-swift 4.6.0 caps transformers (<5.20) and TRL (<1.0) below the
-# main venv's. msgspec is imported by its GRPO trainer without being declared. ms-swift is imported before pytest runs,
-# so a broken install fails here instead of skipping every test.
+# main venv's. msgspec is imported by its GRPO trainer without being declared; liger-kernel serves the Liger fallback
+# test. ms-swift is imported before pytest runs, so a broken install fails here instead of skipping every test.
 SWIFT_VENV ?= .venv-swift
 SWIFT_PY := $(SWIFT_VENV)/bin/python
 SWIFT_SPEC ?= ms-swift==4.6.0
@@ -91,7 +91,7 @@ SWIFT_SPEC ?= ms-swift==4.6.0
 $(SWIFT_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(SWIFT_VENV)
 	$(SWIFT_PY) -c "import torch" 2>/dev/null || $(SWIFT_PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
-	$(SWIFT_PY) -m pip install --quiet --disable-pip-version-check "$(SWIFT_SPEC)" "transformers<5.20" "trl<1.0" msgspec \
+	$(SWIFT_PY) -m pip install --quiet --disable-pip-version-check "$(SWIFT_SPEC)" "transformers<5.20" "trl<1.0" msgspec liger-kernel \
 		-e ".[dev]"
 	touch $@
 

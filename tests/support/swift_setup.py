@@ -213,6 +213,7 @@ class Record:
     params: dict = field(default_factory=dict)
     embedded: list = field(default_factory=list)
     log_history: list = field(default_factory=list)
+    batches: list = field(default_factory=list)  # per call, (a copy of model_inputs, grpo_batch) as the trainer passed
     trainer: object = None
 
 
@@ -280,6 +281,7 @@ def run_grpo(monkeypatch, argv: list[str], *, count_embedded: bool = False, with
                 )
             )
             record.embedded.append(embedded)
+            record.batches.append((dict(model_inputs), grpo_batch))
             return out
 
         def training_step(*args, **kwargs):
@@ -298,6 +300,8 @@ def run_grpo(monkeypatch, argv: list[str], *, count_embedded: bool = False, with
         result = original_train(self, trainer)
         record.params = {n: full(p) for n, p in trainer.model.named_parameters() if p.requires_grad}
         record.log_history = list(trainer.state.log_history)
+        for name in ("_get_per_token_logps_and_entropies", "training_step"):  # the recorder leaves the trainer
+            trainer.__dict__.pop(name, None)
         return result
 
     _forget_imported_plugins()

@@ -34,6 +34,8 @@ PROMPTS = [
     "a red mat and a blue rug",
 ]
 REWARD_PLUGIN = Path(__file__).with_name("swift_reward_plugin.py")
+RECORD_PLUGIN = Path(__file__).with_name("swift_record_plugin.py")
+REPO = Path(__file__).resolve().parents[2]
 REWARD = "spl_letters"  # the reward function the plug-in file registers
 
 
@@ -311,3 +313,25 @@ def run_grpo(monkeypatch, argv: list[str], *, count_embedded: bool = False, with
     finally:
         monkeypatch.setattr(SwiftSft, "train", original_train)
     return record
+
+
+def run_swift_command(argv: list[str], record_dir: Path, *, processes: int = 1, timeout_s: float = 600) -> list[dict]:
+    """Run the ``swift rlhf`` command (the venv's ``swift`` script, fresh processes; ``processes`` > 1 launches them
+    through torchrun as ms-swift does with ``NPROC_PER_NODE``) with :data:`RECORD_PLUGIN` added to the plug-in files;
+    returns each rank's record (``support/swift_record_plugin.py``). Fails with the command's output on an error."""
+    import subprocess
+
+    from .distributed import free_port
+
+    record_dir.mkdir(parents=True, exist_ok=True)
+    argv = list(argv)
+    at = argv.index("--external_plugins") + 1
+    argv[at:at] = [str(RECORD_PLUGIN)]
+    env = dict(os.environ, SHARED_PREFIX_LOGPS_SWIFT_TEST_RECORD=str(record_dir), CUDA_VISIBLE_DEVICES="")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), str(REPO / "tests"), env.get("PYTHONPATH")) if p)
+    if processes > 1:
+        env.update(NPROC_PER_NODE=str(processes), MASTER_PORT=str(free_port()))
+    swift = Path(sys.executable).with_name("swift")
+    run = subprocess.run([str(swift), "rlhf", *argv], env=env, capture_output=True, text=True, timeout=timeout_s)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    return [torch.load(record_dir / f"rank{rank}.pt") for rank in range(processes)]

@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -49,16 +47,10 @@ def test_swift_command_runs_a_grpo_step_with_every_pass_served(tiny_root, tmp_pa
     """``swift rlhf --rlhf_type grpo ... --external_plugins <reward> <the plug-in>`` (ms-swift's command, a fresh
     process) runs a GRPO step whose three passes the plug-in served, none fallen back, both self-checks passed."""
     model_dir, dataset = ss.build_tiny(tiny_root)
-    stats_file = tmp_path / "stats.json"
-    plugins = [str(ss.REWARD_PLUGIN), str(Path(ss.__file__).with_name("swift_stats_plugin.py"))]
-    plugins.append(str(_plugin_path_from_the_command_line()))
+    plugins = [str(ss.REWARD_PLUGIN), str(_plugin_path_from_the_command_line())]
     argv = ss.grpo_arguments(model_dir, dataset, tmp_path / "out", external_plugins=plugins)
-    env = dict(os.environ, SHARED_PREFIX_LOGPS_SWIFT_TEST_STATS=str(stats_file), CUDA_VISIBLE_DEVICES="")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    swift = Path(sys.executable).with_name("swift")
-    run = subprocess.run([str(swift), "rlhf", *argv], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-4000:]
-    stats = json.loads(stats_file.read_text())
+    record = ss.run_swift_command(argv, tmp_path / "record")[0]
+    stats = record["stats"]
     assert stats["passes"] == {"policy (no grad)": 1, "ref_model (no grad)": 1, "policy (grad)": 1}
     assert stats["shared_calls"] == 3 and stats["fallback_calls"] == 0 and stats["fallback_reasons"] == {}
     assert [(check["what"], check["passed"]) for check in stats["self_checks"]] == [

@@ -127,8 +127,8 @@ def patch_trainer(trainer, *, backend: str = "auto", self_check: bool = True, se
         The :class:`~.patch.SwiftPatch` (also what :func:`get_patch` returns).
 
     Raises:
-        TypeError: not an ms-swift GRPOTrainer. ValueError: a bad ``backend`` or tolerance, or a trainer patched
-            already.
+        TypeError: not an ms-swift GRPOTrainer.
+        ValueError: a bad ``backend`` or tolerance, or a trainer patched already.
     """
     previous = getattr(trainer, "__dict__", {}).get(PATCH_ATTRIBUTE)
     if previous is not None and previous is not _UNSET and previous.replaced:

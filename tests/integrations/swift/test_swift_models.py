@@ -21,6 +21,7 @@ from support import swift_setup as ss  # noqa: E402
 from shared_prefix_logps.integrations.swift import get_patch, plugin_path, uninstall  # noqa: E402
 
 STEPS = 1
+# --log_entropy: ms-swift asks the policy pass for entropies too (compute_entropy)
 SETTINGS = {
     "lora": (
         "qwen2",
@@ -31,17 +32,19 @@ SETTINGS = {
             "target_modules": ["all-linear"],
             "init_weights": "false",
             "lora_dropout": 0.0,  # ms-swift's default 0.05 makes every forward random: nothing would compare
+            "log_entropy": "true",
         },
     ),
-    "qwen3_5_hybrid": ("qwen3_5", {}),
+    "qwen3_5_hybrid": ("qwen3_5", {"log_entropy": "true"}),
 }
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_patched_training_matches_unpatched(setting, tiny_root, tmp_path, monkeypatch):
     """Every pass served (none fallen back, both self-checks passed), log-probs within 1e-5 of ms-swift's own on every
-    call and of the unpatched run on the first step, the loss within 1e-5, the first gradients within 1e-4 of their
-    norm, the trained parameters within 1e-5 of theirs."""
+    call and of the unpatched run on the first step, the policy pass's entropies within 1e-5 of the unpatched run's,
+    the loss within 1e-5, the first gradients within 1e-4 of their norm, the trained parameters within 1e-5 of
+    theirs."""
     family, overrides = SETTINGS[setting]
     model_dir, dataset = ss.build_tiny(tiny_root, family)
     settings = dict(overrides, max_steps=STEPS)
@@ -61,6 +64,10 @@ def test_patched_training_matches_unpatched(setting, tiny_root, tmp_path, monkey
         torch.testing.assert_close(ours.logps[mask], ours.reference[mask], atol=1e-5, rtol=0)
         if index < 3:  # the first step: the same parameters in both runs
             torch.testing.assert_close(ours.logps[mask], theirs.logps[mask], atol=1e-5, rtol=0)
+        assert (ours.entropies is None) == (theirs.entropies is None) == (not ours.grad)
+        if ours.grad:  # ms-swift asked for entropies (--log_entropy): theirs, ms-swift's shape and dtype
+            assert ours.entropies.shape == theirs.entropies.shape and ours.entropies.dtype == theirs.entropies.dtype
+            torch.testing.assert_close(ours.entropies[mask], theirs.entropies[mask], atol=1e-5, rtol=0)
     if setting == "lora":  # the reference pass (adapter disabled) is not the policy's
         old, ref = patched.calls[0], patched.calls[1]
         assert not torch.allclose(old.logps[old.completion_mask], ref.logps[ref.completion_mask], atol=1e-3)

@@ -142,3 +142,24 @@ def test_switched_off_by_environment(trainer, monkeypatch):
         theirs, _ = trainer._get_per_token_logps_and_entropies(trainer.model, dict(model_inputs), grpo_batch)
     assert plugin.get_patch(trainer) is None and trainer.__dict__["_shared_prefix_logps_patch"] is None
     assert torch.equal(ours, theirs) and bool((ours[~grpo_batch.completion_mask] != 0).any())
+
+
+def test_self_check_catches_a_wrong_result(trainer, monkeypatch):
+    """A shared-path result off by a 2% temperature error fails the first call's comparison with ms-swift's own
+    method: ``SelfCheckError``, and the failed check is in the stats."""
+    from shared_prefix_logps.integrations.swift import patch as patch_module
+
+    trainer, model_inputs, grpo_batch = trainer
+    served = patch_module.compute_logps_concatenated
+
+    def off(*args, temperature=1.0, **kwargs):
+        return served(*args, temperature=temperature * 1.02, **kwargs)
+
+    monkeypatch.setattr(patch_module, "compute_logps_concatenated", off)
+    patch = plugin.patch_trainer(trainer)
+    try:
+        with torch.no_grad(), pytest.raises(plugin.SelfCheckError, match="differ from ms-swift's GRPOTrainer"):
+            trainer._get_per_token_logps_and_entropies(trainer.model, dict(model_inputs), grpo_batch)
+    finally:
+        plugin.unpatch_trainer(trainer)
+    assert [check.passed for check in patch.stats.self_checks] == [False]

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: demo test test-min-transformers test-verl test-openrlhf lint gpu clean
+.PHONY: demo test test-min-transformers test-verl test-openrlhf test-swift lint gpu clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -81,6 +81,24 @@ test-openrlhf: $(OPENRLHF_VENV)/.installed
 	$(OPENRLHF_PY) -c "import importlib.metadata as m; print('openrlhf', m.version('openrlhf'))"
 	$(OPENRLHF_PY) -m pytest -p no:cacheprovider -q -ra tests/integrations/openrlhf
 
+# The ms-swift plug-in's tests in their own venv: ms-swift 4.6.0 caps transformers (<5.20) and TRL (<1.0) below the
+# main venv's. msgspec is imported by its GRPO trainer without being declared; liger-kernel serves the Liger fallback
+# test. ms-swift is imported before pytest runs, so a broken install fails here instead of skipping every test.
+SWIFT_VENV ?= .venv-swift
+SWIFT_PY := $(SWIFT_VENV)/bin/python
+SWIFT_SPEC ?= ms-swift==4.6.0
+
+$(SWIFT_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(SWIFT_VENV)
+	$(SWIFT_PY) -c "import torch" 2>/dev/null || $(SWIFT_PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
+	$(SWIFT_PY) -m pip install --quiet --disable-pip-version-check "$(SWIFT_SPEC)" "transformers<5.20" "trl<1.0" msgspec liger-kernel \
+		-e ".[dev]"
+	touch $@
+
+test-swift: $(SWIFT_VENV)/.installed
+	$(SWIFT_PY) -c "import swift, swift.rlhf_trainers.grpo_trainer; print('ms-swift', swift.__version__)"
+	$(SWIFT_PY) -m pytest -p no:cacheprovider -q -ra tests/integrations/swift
+
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
@@ -89,4 +107,4 @@ gpu:
 	bash benchmarks/run_gpu.sh
 
 clean:
-	rm -rf $(VENV) $(MIN_VENV) $(VERL_VENV) $(OPENRLHF_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(MIN_VENV) $(VERL_VENV) $(OPENRLHF_VENV) $(SWIFT_VENV) .pytest_cache .ruff_cache

@@ -189,6 +189,7 @@ API_MODULES = {
     "shared_prefix_logps.integrations.trl": "TRL plug-in",
     "shared_prefix_logps.integrations.verl": "verl plug-in",
     "shared_prefix_logps.integrations.openrlhf": "OpenRLHF plug-in",
+    "shared_prefix_logps.integrations.swift": "ms-swift plug-in",
 }
 
 

@@ -4,8 +4,8 @@
 - :func:`install` / :func:`setup_worker`: every actor of a process, and Ray's per-worker hook (:mod:`.install`);
   ``python -m shared_prefix_logps.integrations.openrlhf.launch ...`` runs OpenRLHF's launcher with it (:mod:`.launch`);
 - :func:`install_group_order`: training micro-batches that keep each prompt's samples together (:mod:`.order`);
-- :mod:`.layout`: OpenRLHF's rows as ``[left-padded prompt | right-padded completion]`` and back;
-  :mod:`.outputs`: the ``output`` returned beside the log-probs.
+- :mod:`.outputs`: the ``output`` returned beside the log-probs; OpenRLHF's rows are re-laid as ``[left-padded prompt |
+  right-padded completion]`` and back by :mod:`..common.scored_rows`.
 """
 
 from ..common.self_check import SelfCheckError

@@ -16,9 +16,9 @@ from ..common.backends import PLUGIN_BACKENDS
 from ..common.lockstep import Lockstep
 from ..common.modules import dropout_active
 from ..common.patching import Unpatched, replace_attribute, restore_attributes
+from ..common.scored_rows import scored_rows_problem, to_next_token_layout, to_prefix_rows
 from ..common.self_check import SelfCheckError, compare, default_tolerance
 from ..common.stats import PatchStats, WarnOnce
-from .layout import layout_problem, to_actor_layout, to_shared_layout
 from .outputs import SharedPrefixActorOutput
 
 PATCH_ATTRIBUTE = "_shared_prefix_logps_patch"
@@ -119,7 +119,13 @@ class ActorPatch:
         config = getattr(getattr(self.actor.model, "module", self.actor.model), "config", None)
         if config is not None and getattr(config, "output_router_logits", False):
             return "MoE router logits (output_router_logits): the aux loss needs the model's full output"
-        problem = layout_problem(a.get("sequences"), a.get("attention_mask"), a.get("action_mask"))
+        problem = scored_rows_problem(
+            a.get("sequences"),
+            a.get("attention_mask"),
+            a.get("action_mask"),
+            ids_name="sequences",
+            score_name="action_mask",
+        )
         if problem is not None:
             return f"rows not servable: {problem}"
         return None
@@ -139,7 +145,7 @@ class ActorPatch:
         sequences, attention_mask, action_mask = a["sequences"], a["attention_mask"], a["action_mask"]
         return_entropy = bool(a.get("return_entropy"))
         length, actions = sequences.shape[1], action_mask.shape[1]
-        rows = to_shared_layout(sequences, attention_mask, action_mask)
+        rows = to_prefix_rows(sequences, attention_mask, action_mask)
         # no-grad scoring may split a process's rows into a number of forwards of its own: join them
         join = self.lockstep is not None and not torch.is_grad_enabled()
         with self.lockstep.forwards(self.actor.model) if join else contextlib.nullcontext():
@@ -152,8 +158,8 @@ class ActorPatch:
                 return_entropy=return_entropy,
                 backend=self.backend,
             )
-        action_log_probs = to_actor_layout(out.logps, rows, length)[:, -actions:] * action_mask.float()
-        entropy = to_actor_layout(out.entropy, rows, length) if return_entropy else None
+        action_log_probs = to_next_token_layout(out.logps, rows, length)[:, -actions:] * action_mask.float()
+        entropy = to_next_token_layout(out.entropy, rows, length) if return_entropy else None
 
         self.stats.shared_calls += 1
         distinct_before = self.stats.distinct_prompts

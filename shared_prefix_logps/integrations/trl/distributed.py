@@ -26,26 +26,6 @@ padding forwards are of the kind they pad (:meth:`..common.lockstep.Lockstep.for
 
 from __future__ import annotations
 
-import torch.distributed as dist
+from ..common.lockstep import Lockstep, make_lockstep, zero_stage
 
-from ..common.lockstep import Lockstep
-
-
-def make_lockstep(trainer) -> Lockstep | None:
-    """A :class:`Lockstep` when the trainer's models are sharded so that every forward is a collective: FSDP
-    (accelerate's ``DistributedType.FSDP``) or DeepSpeed ZeRO-3 (each submodule's forward gathers its partitioned
-    parameters); else None (DDP, ZeRO-0/1/2: forwards are local, only the backward's reduction is collective)."""
-    from accelerate.utils import DistributedType
-
-    if not dist.is_initialized():
-        return None
-    kind = trainer.accelerator.distributed_type
-    if kind == DistributedType.FSDP or (kind == DistributedType.DEEPSPEED and zero_stage(trainer) == 3):
-        return Lockstep(trainer.accelerator.device)
-    return None
-
-
-def zero_stage(trainer) -> int | None:
-    """The DeepSpeed ZeRO stage of the trainer's accelerator, or None without DeepSpeed."""
-    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
-    return getattr(plugin, "zero_stage", None)
+__all__ = ["Lockstep", "make_lockstep", "zero_stage"]

@@ -183,7 +183,7 @@ def compute_logps_tree(
     rows = check_tree_rows(input_ids, attention_mask, score_mask, model=prepared)
     if backend == "dense":
         logps, entropy = dense_logps(prepared, rows, temperature=temperature, return_entropy=return_entropy)
-        return LogpsOutput(logps, entropy, rows.score_mask)
+        return LogpsOutput(logps, entropy, rows.output_mask)
     settings = CallSettings(
         layout=resolve_attention_backend(backend, prepared.device),
         temperature=temperature,
@@ -209,7 +209,7 @@ def score_grouped(
         logps, entropy = dense_logps(
             prepared, grouped_rows(batch), temperature=temperature, return_entropy=return_entropy
         )
-        return LogpsOutput(logps[:, width:], None if entropy is None else entropy[:, width:], batch.completion_mask)
+        return LogpsOutput(logps[:, width:], None if entropy is None else entropy[:, width:], batch.output_mask)
     steps = call_lockstep(model, lockstep, prepared.device)
     plan = grouped_call_plan(batch, prepared, steps)
     settings = CallSettings(

@@ -1,9 +1,11 @@
 """Validate and normalize the caller's prompts and completions into one grouped batch.
 
 Every public entry point funnels its inputs through here, so bad input fails early with an error that names the
-argument, and the plan can rely on two layouts: a :class:`GroupedBatch` (left-padded prompts, right-padded
-completions, and for each completion row the index of its prompt) for ``compute_logps``, ``compute_logps_concatenated``
-and ``chunked_backward``, :class:`TreeRows` (rows of any shape with a score mask) for the tree entry points.
+argument. The values are checked on one host copy of the inputs (:func:`on_host`), where the plan is made too, so that
+neither makes the host wait for the device more than once. The plan can rely on two layouts: a
+:class:`GroupedBatch` (left-padded prompts, right-padded completions, and for each completion row the index of its
+prompt) for ``compute_logps``, ``compute_logps_concatenated`` and ``chunked_backward``, :class:`TreeRows` (rows of any
+shape with a score mask) for the tree entry points.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from .backends.layouts import LAYOUT_NAMES
 
 @dataclass(frozen=True)
 class GroupedBatch:
-    """Prompts and the completions that continue them.
+    """Prompts and the completions that continue them, on the host (what the plan is made from).
 
     Attributes:
         prompt_ids: (num_prompts, P) int64, left-padded; padded positions hold 0.
@@ -28,6 +30,8 @@ class GroupedBatch:
         completion_ids: (rows, C) int64, right-padded; padded positions hold 0.
         completion_mask: (rows, C) bool, right-padded (a row may be empty).
         group_index: (rows,) int64 index into the prompts of each completion row.
+        output_mask: (rows, C) bool on the model's device, ``completion_mask``'s values: the output's mask (None
+            where the batch is only planned, never scored).
     """
 
     prompt_ids: torch.Tensor
@@ -35,6 +39,7 @@ class GroupedBatch:
     completion_ids: torch.Tensor
     completion_mask: torch.Tensor
     group_index: torch.Tensor
+    output_mask: torch.Tensor | None = None
 
     @property
     def prompt_lengths(self) -> torch.Tensor:
@@ -44,7 +49,7 @@ class GroupedBatch:
 
 @dataclass(frozen=True)
 class TreeRows:
-    """The caller's rows, validated.
+    """The caller's rows, validated, on the host (what the plan is made from).
 
     Attributes:
         input_ids: (N, L) int64 as given, padding replaced by 0.
@@ -52,6 +57,8 @@ class TreeRows:
         score_mask: (N, L) bool, True only on real tokens after each row's first.
         first_column: (N,) int64, column of each row's first real token (0 for an empty row).
         lengths: (N,) int64, real tokens per row.
+        output_mask: (N, L) bool on the model's device, ``score_mask``'s values: the output's mask (None for rows the
+            library built itself, which only plan).
     """
 
     input_ids: torch.Tensor
@@ -59,11 +66,12 @@ class TreeRows:
     score_mask: torch.Tensor
     first_column: torch.Tensor
     lengths: torch.Tensor
+    output_mask: torch.Tensor | None = None
 
     def justified(self) -> torch.Tensor:
         """(N, longest row) int64, each row's real tokens moved to the left (0 after them)."""
         width = int(self.lengths.max())
-        inner = torch.arange(width, device=self.input_ids.device)
+        inner = torch.arange(width)
         columns = (self.first_column[:, None] + inner[None, :]).clamp(max=max(self.input_ids.shape[1] - 1, 0))
         return self.input_ids.gather(1, columns).masked_fill(inner[None, :] >= self.lengths[:, None], 0)
 
@@ -125,15 +133,41 @@ def check_has_data(name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"{name} is a meta tensor (a shape without data); pass it on a real device")
 
 
-def _as_id_tensor(name: str, value, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A (rows, length) int64 tensor from a tensor or a list of id lists; for lists also the padding mask."""
+def off_host(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` lives off the host (on an accelerator): reading its values there makes the host wait."""
+    return tensor.device.type != "cpu"
+
+
+def on_host(*tensors: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """The caller's tensors on the host, through one copy (None stays None; host tensors are returned as they are).
+
+    Every check of the inputs' values and all of the planning run on the host: read on the device, each check would
+    be a host sync, a wait for the device's queue to drain (ids in the vocabulary, masks of 0/1 and their padding,
+    prompts sharing a prefix, the trie). The device tensors (ids and masks, integer or bool) are cast to int64 and
+    concatenated there, copied to the host once, and cut apart there, each back in its dtype.
+    """
+    moving = [t for t in tensors if t is not None and off_host(t)]
+    if not moving:
+        return list(tensors)
+    flat = torch.cat([t.reshape(-1).to(torch.long) for t in moving]).cpu()
+    copies, start = {}, 0
+    for t in moving:
+        part = flat[start : start + t.numel()].view(t.shape)
+        copies[id(t)] = part if t.dtype == torch.long else part.to(t.dtype)
+        start += t.numel()
+    return [None if t is None else copies.get(id(t), t) for t in tensors]
+
+
+def _check_id_tensor(name: str, value) -> torch.Tensor | list:
+    """A tensor of ids checked for what needs no value (data, dtype, rank), or a list of id lists checked and
+    converted to plain ints (the rows)."""
     if isinstance(value, torch.Tensor):
         check_has_data(name, value)
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise TypeError(f"{name} must hold integer token ids, got dtype {value.dtype}")
         if value.dim() != 2:
             raise ValueError(f"{name} must be 2-D (rows, length), got shape {tuple(value.shape)}")
-        return value.to(device=device, dtype=torch.long), None
+        return value
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise TypeError(f"{name} must be a LongTensor or a list of token-id lists, got {type(value).__name__}")
     rows = []
@@ -148,27 +182,39 @@ def _as_id_tensor(name: str, value, device) -> tuple[torch.Tensor, torch.Tensor 
             except TypeError:
                 raise TypeError(f"{name}[{i}] must contain only integer token ids") from None
         rows.append(row)
-    return None, rows
+    return rows
 
 
-def check_mask(name: str, mask, shape, device) -> torch.Tensor:
-    """``mask`` as a bool tensor on ``device``: a tensor of ``shape``, bool or integer 0/1; errors name ``name``."""
+def _check_mask_tensor(name: str, mask, shape) -> torch.Tensor:
+    """``mask`` checked for what needs no value: a tensor of ``shape``, bool or integer."""
     if not isinstance(mask, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(mask).__name__}")
     check_has_data(name, mask)
     if tuple(mask.shape) != tuple(shape):
         raise ValueError(f"{name} has shape {tuple(mask.shape)} but its ids have shape {tuple(shape)}")
+    if mask.dtype != torch.bool and (mask.dtype.is_floating_point or mask.dtype.is_complex):
+        raise TypeError(f"{name} must be bool or integer 0/1, got dtype {mask.dtype}")
+    return mask
+
+
+def _host_mask(name: str, mask: torch.Tensor) -> torch.Tensor:
+    """A host copy of a checked mask as bool, once its values are 0/1."""
     if mask.dtype != torch.bool:
-        if mask.dtype.is_floating_point or mask.dtype.is_complex:
-            raise TypeError(f"{name} must be bool or integer 0/1, got dtype {mask.dtype}")
         if mask.numel() and not ((mask == 0) | (mask == 1)).all():
             raise ValueError(f"{name} must hold only 0 and 1")
-    return mask.to(device=device, dtype=torch.bool)
+        mask = mask.bool()
+    return mask
 
 
-def _padded_from_lists(rows, device, *, left: bool):
-    """(len(rows), longest) int64 ids and bool mask, each row placed at the right end (``left`` padding) or at the
-    left end (right padding)."""
+def device_mask(mask: torch.Tensor, device) -> torch.Tensor:
+    """The caller's (checked) mask as a bool tensor on ``device``, the output's mask: no host round trip (a mask
+    already there and bool is returned as it is)."""
+    return mask.to(device=device, dtype=torch.bool, non_blocking=True)
+
+
+def _padded_from_lists(rows, *, left: bool):
+    """(len(rows), longest) int64 ids and bool mask on the host, each row placed at the right end (``left``
+    padding) or at the left end (right padding)."""
     length = max((len(r) for r in rows), default=0)
     ids = torch.zeros(len(rows), length, dtype=torch.long)
     mask = torch.zeros(len(rows), length, dtype=torch.bool)
@@ -177,79 +223,113 @@ def _padded_from_lists(rows, device, *, left: bool):
             span = slice(length - len(row), length) if left else slice(0, len(row))
             ids[i, span] = torch.tensor(row, dtype=torch.long)
             mask[i, span] = True
-    return ids.to(device), mask.to(device)
+    return ids, mask
 
 
 def _check_ids_in_vocab(name: str, ids: torch.Tensor, mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Host ``ids`` with every real one in ``[0, vocab_size)``; padded positions may hold anything (pad ids, -100)
+    and get a valid id, 0, for the embedding."""
     valid = ids[mask]
     if valid.numel():
         low, high = int(valid.min()), int(valid.max())
         if low < 0 or high >= vocab_size:
             bad = low if low < 0 else high
             raise ValueError(f"{name} holds token id {bad} outside the model's vocabulary [0, {vocab_size})")
-    # Padded positions may hold anything (pad ids, -100); give the embedding a valid id there.
     return ids.masked_fill(~mask, 0)
 
 
-def normalize_prompts(
-    prompts, prompt_mask, *, device, vocab_size, names=("prompts", "prompt_mask")
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded (num_prompts, P) int64 ids with their (num_prompts, P) bool mask. ``names``: what errors call the
-    ids and the mask (the caller's arguments)."""
+def _prompt_values(ids: torch.Tensor, mask: torch.Tensor, names, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Host prompt ids and bool mask checked: left-padded, each prompt non-empty, ids in the vocabulary."""
     ids_name, mask_name = names
-    ids, rows = _as_id_tensor(ids_name, prompts, device)
-    if ids is None:
-        if prompt_mask is not None:
-            raise ValueError("prompt_mask must be None when prompts is a list of token-id lists")
-        if not rows:
-            raise ValueError("prompts is empty")
-        for i, row in enumerate(rows):
+    if ids.shape[0] == 0 or ids.shape[1] == 0:
+        raise ValueError(f"{ids_name} is empty (shape {tuple(ids.shape)})")
+    if not mask[:, -1].all():
+        bad = int((~mask[:, -1]).nonzero()[0])
+        raise ValueError(
+            f"{mask_name} row {bad} does not end with a real token: prompts must be left-padded and non-empty"
+        )
+    if (mask[:, 1:] < mask[:, :-1]).any():
+        bad = int((mask[:, 1:] < mask[:, :-1]).any(1).nonzero()[0])
+        raise ValueError(f"{mask_name} row {bad} is not left-padded (a padded position follows a real token)")
+    return _check_ids_in_vocab(ids_name, ids, mask, vocab_size), mask
+
+
+def _completion_values(ids: torch.Tensor, mask: torch.Tensor, names, vocab_size: int):
+    """Host completion ids and bool mask checked: right-padded, ids in the vocabulary."""
+    ids_name, mask_name = names
+    if ids.shape[0] == 0:
+        raise ValueError(f"{ids_name} is empty (shape {tuple(ids.shape)})")
+    if (mask[:, 1:] > mask[:, :-1]).any():
+        bad = int((mask[:, 1:] > mask[:, :-1]).any(1).nonzero()[0])
+        raise ValueError(f"{mask_name} row {bad} is not right-padded (a real token follows a padded position)")
+    return _check_ids_in_vocab(ids_name, ids, mask, vocab_size), mask
+
+
+def _checked_part(name: str, value, mask, mask_name: str, *, left: bool):
+    """The caller's ids (a tensor or lists) and mask checked for what needs no value: ``(ids tensor or None, mask
+    tensor or None, host ids and mask built from lists or None)``."""
+    value = _check_id_tensor(name, value)
+    if isinstance(value, torch.Tensor):
+        if value.shape[0] == 0 or (left and value.shape[1] == 0):
+            raise ValueError(f"{name} is empty (shape {tuple(value.shape)})")
+        if mask is not None:
+            mask = _check_mask_tensor(mask_name, mask, value.shape)
+        return value, mask, None
+    if mask is not None:
+        raise ValueError(f"{mask_name} must be None when {name} is a list of token-id lists")
+    if not value:
+        raise ValueError(f"{name} is empty")
+    if left:
+        for i, row in enumerate(value):
             if not row:
-                raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
-        ids, mask = _padded_from_lists(rows, device, left=True)
-    else:
+                raise ValueError(f"{name}[{i}] is empty; every prompt needs at least one token")
+    return None, None, _padded_from_lists(value, left=left)
+
+
+def group_batch(prompts, completions, prompt_mask, completion_mask, *, model) -> GroupedBatch:
+    """Validate the ``compute_logps`` inputs: G = rows // prompts consecutive completions per prompt.
+
+    ``model`` gives the device and vocabulary limits (``device``, ``input_vocab_size``, ``output_vocab_size``:
+    a :class:`~shared_prefix_logps.model.PreparedModel`). The values are checked on one host copy of the inputs.
+    """
+    device, input_vocab_size, output_vocab_size = model.device, model.input_vocab_size, model.output_vocab_size
+    prompt_ids, prompt_mask, prompt_lists = _checked_part("prompts", prompts, prompt_mask, "prompt_mask", left=True)
+    completion_ids, completion_mask, completion_lists = _checked_part(
+        "completions", completions, completion_mask, "completion_mask", left=False
+    )
+    host = on_host(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    if prompt_lists is None:
+        ids = host[0].long()
         if ids.shape[0] == 0 or ids.shape[1] == 0:
             raise ValueError(f"prompts is empty (shape {tuple(ids.shape)})")
-        mask = (
-            torch.ones_like(ids, dtype=torch.bool)
-            if prompt_mask is None
-            else check_mask(mask_name, prompt_mask, ids.shape, device)
-        )
-        if not mask[:, -1].all():
-            bad = int((~mask[:, -1]).nonzero()[0])
-            raise ValueError(
-                f"{mask_name} row {bad} does not end with a real token: prompts must be left-padded and non-empty"
-            )
-        if (mask[:, 1:] < mask[:, :-1]).any():
-            bad = int((mask[:, 1:] < mask[:, :-1]).any(1).nonzero()[0])
-            raise ValueError(f"{mask_name} row {bad} is not left-padded (a padded position follows a real token)")
-    return _check_ids_in_vocab(ids_name, ids, mask, vocab_size), mask
-
-
-def normalize_completions(
-    completions, completion_mask, *, device, vocab_size, names=("completions", "completion_mask")
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded (rows, C) int64 ids with their (rows, C) bool mask. ``names`` as for :func:`normalize_prompts`."""
-    ids_name, mask_name = names
-    ids, rows = _as_id_tensor(ids_name, completions, device)
-    if ids is None:
-        if completion_mask is not None:
-            raise ValueError("completion_mask must be None when completions is a list of token-id lists")
-        if not rows:
-            raise ValueError("completions is empty")
-        ids, mask = _padded_from_lists(rows, device, left=False)
-    else:
+        mask = torch.ones_like(ids, dtype=torch.bool) if host[1] is None else _host_mask("prompt_mask", host[1])
+        prompt_lists = (ids, mask)
+    if completion_lists is None:
+        ids = host[2].long()
         if ids.shape[0] == 0:
             raise ValueError(f"completions is empty (shape {tuple(ids.shape)})")
-        mask = (
-            torch.ones_like(ids, dtype=torch.bool)
+        mask = torch.ones_like(ids, dtype=torch.bool) if host[3] is None else _host_mask("completion_mask", host[3])
+        output_mask = (
+            torch.ones(ids.shape, dtype=torch.bool, device=device)
             if completion_mask is None
-            else check_mask(mask_name, completion_mask, ids.shape, device)
+            else device_mask(completion_mask, device)
         )
-        if (mask[:, 1:] > mask[:, :-1]).any():
-            bad = int((mask[:, 1:] > mask[:, :-1]).any(1).nonzero()[0])
-            raise ValueError(f"{mask_name} row {bad} is not right-padded (a real token follows a padded position)")
-    return _check_ids_in_vocab(ids_name, ids, mask, vocab_size), mask
+        completion_lists = (ids, mask)
+    else:
+        output_mask = device_mask(completion_lists[1], device)
+    prompt_ids, prompt_mask = _prompt_values(*prompt_lists, ("prompts", "prompt_mask"), input_vocab_size)
+    completion_ids, completion_mask = _completion_values(
+        *completion_lists, ("completions", "completion_mask"), min(input_vocab_size, output_vocab_size)
+    )
+    num_prompts, rows = prompt_ids.shape[0], completion_ids.shape[0]
+    if rows % num_prompts != 0:
+        raise ValueError(
+            f"completions has {rows} rows, not a multiple of the {num_prompts} prompts: "
+            "G = len(completions) // len(prompts) completions must follow each prompt"
+        )
+    check_rope_length(model, prompt_ids.shape[1] + completion_ids.shape[1])
+    group_index = torch.arange(num_prompts).repeat_interleave(rows // num_prompts)
+    return GroupedBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, group_index, output_mask)
 
 
 def check_rope_length(model, row_width: int) -> None:
@@ -267,37 +347,16 @@ def check_rope_length(model, row_width: int) -> None:
         )
 
 
-def group_batch(prompts, completions, prompt_mask, completion_mask, *, model) -> GroupedBatch:
-    """Validate the ``compute_logps`` inputs: G = rows // prompts consecutive completions per prompt.
-
-    ``model`` gives the device and vocabulary limits (``device``, ``input_vocab_size``, ``output_vocab_size``:
-    a :class:`~shared_prefix_logps.model.PreparedModel`).
-    """
-    device, input_vocab_size, output_vocab_size = model.device, model.input_vocab_size, model.output_vocab_size
-    prompt_ids, prompt_mask = normalize_prompts(prompts, prompt_mask, device=device, vocab_size=input_vocab_size)
-    completion_ids, completion_mask = normalize_completions(
-        completions, completion_mask, device=device, vocab_size=min(input_vocab_size, output_vocab_size)
-    )
-    num_prompts, rows = prompt_ids.shape[0], completion_ids.shape[0]
-    if rows % num_prompts != 0:
-        raise ValueError(
-            f"completions has {rows} rows, not a multiple of the {num_prompts} prompts: "
-            "G = len(completions) // len(prompts) completions must follow each prompt"
-        )
-    check_rope_length(model, prompt_ids.shape[1] + completion_ids.shape[1])
-    group_index = torch.arange(num_prompts, device=device).repeat_interleave(rows // num_prompts)
-    return GroupedBatch(prompt_ids, prompt_mask, completion_ids, completion_mask, group_index)
-
-
 def split_concatenated(input_ids, attention_mask, logits_to_keep, *, model) -> GroupedBatch:
-    """Split trainer-shaped rows ``[left-padded prompt | right-padded completion]`` and share identical prompts.
+    """Validate and split trainer-shaped rows ``[left-padded prompt | right-padded completion]``; identical prompts are
+    shared.
 
     Rows whose prompt part (ids under the mask, and the mask) is identical map to one prompt, whatever their order.
-    ``model`` gives the device and vocabulary limits, as for :func:`group_batch`.
+    ``model`` gives the device and vocabulary limits, as for :func:`group_batch`; values are checked on the host.
     """
     device, input_vocab_size, output_vocab_size = model.device, model.input_vocab_size, model.output_vocab_size
-    ids, rows = _as_id_tensor("input_ids", input_ids, device)
-    if ids is None:
+    ids = _check_id_tensor("input_ids", input_ids)
+    if not isinstance(ids, torch.Tensor):
         raise TypeError("input_ids must be a LongTensor (rows, prompt_len + completion_len)")
     logits_to_keep = as_int("logits_to_keep", logits_to_keep)
     if ids.shape[0] == 0:
@@ -309,35 +368,38 @@ def split_concatenated(input_ids, attention_mask, logits_to_keep, *, model) -> G
         )
     if attention_mask is None:
         raise ValueError("attention_mask is required: masks come from attention masks, never from token ids")
-    mask = check_mask("attention_mask", attention_mask, ids.shape, device)
+    _check_mask_tensor("attention_mask", attention_mask, ids.shape)
     check_rope_length(model, ids.shape[1])
     split = ids.shape[1] - logits_to_keep
+    host_ids, host_mask = on_host(ids, attention_mask)
+    mask = _host_mask("attention_mask", host_mask)
+    host_ids = host_ids.long()
     # Errors name the caller's arguments and the columns they are about: the prompt part is everything before the
     # last logits_to_keep columns.
     prompt_part = f"[:, :{split}] (the prompt columns, before the last logits_to_keep={logits_to_keep})"
     completion_part = f"[:, {split}:] (the completion columns, the last logits_to_keep={logits_to_keep})"
-    prompt_ids, prompt_mask = normalize_prompts(
-        ids[:, :split],
+    prompt_ids, prompt_mask = _prompt_values(
+        host_ids[:, :split],
         mask[:, :split],
-        device=device,
-        vocab_size=input_vocab_size,
-        names=("input_ids" + prompt_part, "attention_mask" + prompt_part),
+        ("input_ids" + prompt_part, "attention_mask" + prompt_part),
+        input_vocab_size,
     )
-    completion_ids, completion_mask = normalize_completions(
-        ids[:, split:],
+    completion_ids, completion_mask = _completion_values(
+        host_ids[:, split:],
         mask[:, split:],
-        device=device,
-        vocab_size=min(input_vocab_size, output_vocab_size),
-        names=("input_ids" + completion_part, "attention_mask" + completion_part),
+        ("input_ids" + completion_part, "attention_mask" + completion_part),
+        min(input_vocab_size, output_vocab_size),
     )
     # Padded prompt positions already hold 0; marking them -1 keeps "pad" distinct from a real token 0.
     unique, group_index = torch.unique(prompt_ids.masked_fill(~prompt_mask, -1), dim=0, return_inverse=True)
     unique_mask = unique >= 0
-    return GroupedBatch(unique.clamp(min=0), unique_mask, completion_ids, completion_mask, group_index)
+    output_mask = device_mask(attention_mask[:, split:], device)
+    return GroupedBatch(unique.clamp(min=0), unique_mask, completion_ids, completion_mask, group_index, output_mask)
 
 
 def check_tree_rows(input_ids, attention_mask, score_mask, *, model) -> TreeRows:
-    """Validate ``input_ids``/``attention_mask``/``score_mask`` (all (N, L)) for ``model`` (a PreparedModel)."""
+    """Validate ``input_ids``/``attention_mask``/``score_mask`` (all (N, L)) for ``model`` (a PreparedModel); values
+    are checked on one host copy."""
     device = model.device
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"input_ids must be a LongTensor (rows, length), got {type(input_ids).__name__}")
@@ -352,11 +414,14 @@ def check_tree_rows(input_ids, attention_mask, score_mask, *, model) -> TreeRows
     if score_mask is None:
         raise ValueError("score_mask is required: True at the positions whose log-prob is wanted")
     check_has_data("input_ids", input_ids)  # the masks' are checked with their shapes
-    ids = input_ids.to(device=device, dtype=torch.long)
-    mask = check_mask("attention_mask", attention_mask, ids.shape, device)
-    scored = check_mask("score_mask", score_mask, ids.shape, device)
+    _check_mask_tensor("attention_mask", attention_mask, input_ids.shape)
+    _check_mask_tensor("score_mask", score_mask, input_ids.shape)
+    ids, mask, scored = on_host(input_ids, attention_mask, score_mask)
+    ids = ids.long()
+    mask = _host_mask("attention_mask", mask)
+    scored = _host_mask("score_mask", scored)
     lengths = mask.sum(1)
-    columns = torch.arange(ids.shape[1], device=device)
+    columns = torch.arange(ids.shape[1])
     first = torch.where(lengths > 0, mask.long().argmax(1), torch.zeros_like(lengths))
     inside = (columns[None, :] >= first[:, None]) & (columns[None, :] < (first + lengths)[:, None])
     if not torch.equal(inside, mask):
@@ -369,7 +434,7 @@ def check_tree_rows(input_ids, attention_mask, score_mask, *, model) -> TreeRows
     if on_padding.any():
         row, column = (int(v) for v in on_padding.nonzero()[0])
         raise ValueError(f"score_mask row {row} scores column {column}, which is padding in attention_mask")
-    on_first = scored[torch.arange(ids.shape[0], device=device), first] & (lengths > 0)
+    on_first = scored[torch.arange(ids.shape[0]), first] & (lengths > 0)
     if on_first.any():
         row = int(on_first.nonzero()[0])
         raise ValueError(
@@ -388,4 +453,4 @@ def check_tree_rows(input_ids, attention_mask, score_mask, *, model) -> TreeRows
             f"[0, {model.output_vocab_size})"
         )
     check_rope_length(model, int(lengths.max()))
-    return TreeRows(ids.masked_fill(~mask, 0), mask, scored, first, lengths)
+    return TreeRows(ids.masked_fill(~mask, 0), mask, scored, first, lengths, device_mask(score_mask, device))

@@ -19,11 +19,12 @@ from .backends.choice import resolve_attention_backend
 from .distributed.backward_driver import backward_driver
 from .distributed.lockstep import call_lockstep
 from .engine import merge
+from .engine.budget import DEFAULT_TOKEN_BUDGET
 from .engine.model_call import one_token_zero
 from .engine.plan import generation_chunks, one_token_forks, rows_plan
 from .engine.run import grouped_call_plan, train_plan
 from .forward.context import CallSettings
-from .inputs import as_int, check_options, check_tree_rows, group_batch
+from .inputs import GroupedBatch, as_int, check_options, check_tree_rows, group_batch
 from .model import prepare_model
 from .moe_router import router_spec
 from .output import LogpsOutput
@@ -35,7 +36,8 @@ def chunked_backward(
     completions,
     loss_fn: Callable[[LogpsOutput, torch.Tensor], torch.Tensor],
     *,
-    generations_per_chunk: int,
+    generations_per_chunk: int | str = "auto",
+    token_budget: int | None = None,
     prompt_mask: torch.Tensor | None = None,
     completion_mask: torch.Tensor | None = None,
     temperature: float = 1.0,
@@ -59,7 +61,12 @@ def chunked_backward(
             B*G completion rows. Normalize with global counts (e.g. total valid tokens of the whole batch), not with
             the chunk's own, if the sum of chunk losses is to be the batch loss.
         generations_per_chunk: each chunk holds this many generations of every prompt, i.e. rows
-            ``g*G + j .. g*G + j + generations_per_chunk - 1`` for every prompt g; 1 <= it <= G.
+            ``g*G + j .. g*G + j + generations_per_chunk - 1`` for every prompt g; 1 <= it <= G. ``"auto"`` (default):
+            the most whose tokens fit ``token_budget`` (:func:`auto_generations_per_chunk`), so the fewest chunks,
+            one when everything fits (then the whole step is one forward and one backward of the model with a
+            layout that serves calls of several depths, ``flex``).
+        token_budget: with ``generations_per_chunk="auto"``, the most tokens a chunk may hold alive at once: the
+            prompts' and the chunk's completions' real tokens. Default ``DEFAULT_TOKEN_BUDGET`` (32768).
         return_router_stats: MoE models (as for :func:`~shared_prefix_logps.compute_logps`): ``chunk_out.router``
             holds the chunk rows' router statistics over their full rows, differentiable (the prompt's part through
             a leaf whose gradient goes back through the prompt's node call with its keys/values'). The
@@ -100,7 +107,7 @@ def chunked_backward(
         boundary (``DeepSpeedBackward``); losses are scaled by its gradient accumulation steps. fp16 loss scaling is
         not supported there.
     """
-    temperature, _ = check_options(temperature, backend)
+    temperature, token_budget = check_options(temperature, backend, token_budget)
     if backend == "dense":
         raise ValueError("chunked_backward shares the prompt between chunks; backend='dense' cannot")
     _check_loss_fn(loss_fn, "chunked_backward")
@@ -111,6 +118,15 @@ def chunked_backward(
     batch = group_batch(prompts, completions, prompt_mask, completion_mask, model=prepared)
     num_prompts = batch.prompt_ids.shape[0]
     generations = batch.completion_ids.shape[0] // num_prompts
+    if isinstance(generations_per_chunk, str) and generations_per_chunk == "auto":
+        budget = token_budget or DEFAULT_TOKEN_BUDGET
+        generations_per_chunk = auto_generations_per_chunk(batch, generations, budget)
+    elif isinstance(generations_per_chunk, str):
+        raise ValueError(
+            f"generations_per_chunk must be an int in [1, G={generations}] or 'auto', got {generations_per_chunk!r}"
+        )
+    elif token_budget is not None:
+        raise ValueError("token_budget sizes the chunks of generations_per_chunk='auto'; pass one or the other")
     generations_per_chunk = as_int("generations_per_chunk", generations_per_chunk)
     if not 1 <= generations_per_chunk <= generations:
         raise ValueError(f"generations_per_chunk must be in [1, G={generations}], got {generations_per_chunk}")
@@ -182,6 +198,21 @@ def chunked_backward_tree(
     steps = call_lockstep(model, lockstep, prepared.device)
     settings = CallSettings(layout, float(temperature), return_entropy)
     return train_plan(prepared, plan, settings, loss_fn, driver=driver, steps=steps)
+
+
+def auto_generations_per_chunk(batch: GroupedBatch, generations: int, budget: int) -> int:
+    """The most generations per chunk (1..G) whose chunks keep at most ``budget`` tokens alive at once: every prompt's
+    real tokens (the prompts' node call stays alive through every chunk) and the largest chunk's completion tokens. At
+    least 1, whatever the budget."""
+    prompt_tokens = int(batch.prompt_mask.sum())
+    per_generation = batch.completion_mask.sum(1).view(-1, generations).sum(0)  # (G,) tokens of each generation index
+    before = torch.cat([per_generation.new_zeros(1), torch.cumsum(per_generation, 0)])  # (G + 1,) prefix sums
+    for per_chunk in range(generations, 1, -1):
+        starts = torch.arange(0, generations, per_chunk)
+        largest = int((before[(starts + per_chunk).clamp(max=generations)] - before[starts]).max())
+        if prompt_tokens + largest <= budget:
+            return per_chunk
+    return 1
 
 
 def _check_loss_fn(loss_fn, entry: str) -> None:

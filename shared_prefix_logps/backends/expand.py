@@ -45,8 +45,9 @@ def cached(cache: dict, key, build):
     return cache[key]
 
 
-#: The optional node-call fields this layout reads (``layouts.py``): each node's ancestor tokens in the store.
-CALL_FIELDS = ("ancestor_index", "ancestor_valid")
+#: The optional node-call fields this layout reads (``layouts.py``): each node's row of the padded batch, its ancestor
+#: tokens in the store.
+CALL_FIELDS = ("pack_index", "pack_valid", "ancestor_index", "ancestor_valid")
 
 
 def unavailable(device: torch.device, needs_grad: bool) -> str | None:
@@ -76,46 +77,49 @@ def node_attention(query, key, value, layer: LayerCall) -> torch.Tensor:
     causal = store is None and window_is_moot(window, width)
     # Every node with as many ancestor tokens and no window: every node's mask row is the same (own padding comes
     # after a node's real tokens, so causality hides it from them).
-    uniform = cached(cache, ("uniform",), lambda: bool(call.ancestor_valid.all())) and window_is_moot(
-        window, index.shape[1] + width
-    )
+    uniform = call.same_ancestors and window_is_moot(window, index.shape[1] + width)
     mask = None
     if not causal:
         mask = cached(
             cache, ("expand", window, query.dtype), lambda: node_mask(call, window, query.dtype, shared=uniform)
         )
 
+    # Slots past a node's end (or its ancestors') gather the call's (or the store's) token 0, another node's token.
+    # The mask hides them from every query, but attention multiplies a hidden value by its zero weight, and 0 x NaN is
+    # NaN: a non-finite state of one row would reach every node padded in the same call, and a padded query computing
+    # over NaN would send NaN into the gradients of its node's keys. Selecting zeros there (not multiplying by a 0/1
+    # mask, which keeps NaN) keeps a row's non-finite values in its row. Where the padding lies is found once per call,
+    # as is each packed token's (row, column), by which the output is gathered back (a boolean mask would make the
+    # host read the device in every layer).
+    padding = cached(cache, ("padding",), lambda: ~call.pack_valid[:, None, :, None])
+    ancestor_padding = cached(cache, ("ancestor-padding",), lambda: ~call.ancestor_valid[:, None, :, None])
+
     def unpack(tensor):  # (1, h, T, d) -> (S, h, Lmax, d), zeros past each node's end
-        return only_valid(tensor[0][:, rows].transpose(0, 1), call.pack_valid)
+        return tensor[0][:, rows].transpose(0, 1).masked_fill(padding, 0)
 
     def ancestors_of(stored):  # (h, A_total, d) -> (S, h, A, d), zeros past each node's ancestors
-        return only_valid(stored[:, index].transpose(0, 1), call.ancestor_valid)
+        return stored[:, index].transpose(0, 1).masked_fill(ancestor_padding, 0)
 
     def attend(query, key, value, *stored):
-        keys, values = unpack(key), unpack(value)
+        heads, kv_heads = query.shape[1], key.shape[1]
+        if query.shape[3] == value.shape[3] and query.dtype == key.dtype == value.dtype:
+            # One gather for the queries, keys and values of every node (their head dims agree).
+            packed = unpack(torch.cat([query, key, value], dim=1))
+            query_rows, keys, values = packed.split([heads, kv_heads, kv_heads], dim=1)
+        else:
+            query_rows, keys, values = unpack(query), unpack(key), unpack(value)
         if stored:
             keys = torch.cat([ancestors_of(stored[0]), keys], dim=2)
             values = torch.cat([ancestors_of(stored[1]), values], dim=2)
-        output = masked_attention(unpack(query), keys, values, mask, is_causal=causal, **options)
-        return output[call.pack_valid][None]  # (S, Lmax, heads, v_head_dim) -> (1, T, heads, v_head_dim)
+        output = masked_attention(query_rows, keys, values, mask, is_causal=causal, contiguous=False, **options)
+        # (S, Lmax, heads, v_head_dim) -> (1, T, heads, v_head_dim): each packed token from its slot.
+        return output[call.query_slot, call.query_order][None]
 
     tensors = (query, key, value, *(store or ()))
     # Only a gather of ancestors is worth recomputing: a call without ancestors copies nothing per node.
     if store is not None and _fused_path(query) and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return torch.utils.checkpoint.checkpoint(attend, *tensors, use_reentrant=False)
     return attend(*tensors)
-
-
-def only_valid(gathered: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``gathered`` (S, heads, L, d) with zeros where ``valid`` (S, L) is False.
-
-    Slots past a node's end (or its ancestors') gather the call's (or the store's) token 0, another node's token. The
-    mask hides them from every query, but attention multiplies a hidden value by its zero weight, and 0 x NaN is
-    NaN: a non-finite state of one row would reach every node padded in the same call, and a padded query computing
-    over NaN would send NaN into the gradients of its node's keys. Selecting zeros (not multiplying by a 0/1 mask,
-    which keeps NaN) keeps a row's non-finite values in its row.
-    """
-    return torch.where(valid[:, None, :, None], gathered, gathered.new_zeros(()))
 
 
 def node_mask(call, window, dtype: torch.dtype, shared: bool = False) -> torch.Tensor:
@@ -190,7 +194,7 @@ def block_outside(mask: torch.Tensor, first: torch.Tensor, last: torch.Tensor) -
 
 
 def masked_attention(
-    query, key, value, mask, *, scaling, softcap, dropout, sinks=None, is_causal: bool = False
+    query, key, value, mask, *, scaling, softcap, dropout, sinks=None, is_causal: bool = False, contiguous: bool = True
 ) -> torch.Tensor:
     """Softmax attention under a mask.
 
@@ -205,13 +209,15 @@ def masked_attention(
         sinks: (heads,) attention-sink logits or None; each head's sink joins the softmax denominator of every
             query (as one more key whose value is zero), so the weights over real keys sum to less than one.
 
+        contiguous: return a contiguous tensor (else possibly a transposed view, for a caller that gathers from it).
+
     Returns:
         (batch, q_len, heads, v_head_dim) in ``query``'s dtype, the layout transformers expects back.
     """
     groups = query.shape[1] // key.shape[1]
     if softcap is None and sinks is None:
         out = _sdpa(query, key, value, mask, dropout=dropout, scale=scaling, groups=groups, is_causal=is_causal)
-        return out.transpose(1, 2).contiguous()
+        return out.transpose(1, 2).contiguous() if contiguous else out.transpose(1, 2)
     # SDPA takes neither a softcap nor sinks: compute the scores explicitly.
     if _fused_path(query):
         check_explicit_scores(query, key.shape[2])

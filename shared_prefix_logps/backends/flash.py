@@ -167,7 +167,7 @@ def _flex_reason(kernels, query, value, options, call, cache, window) -> str | N
 
 #: The optional node-call fields this layout reads (``layouts.py``): the call's queries in runs per ancestor level.
 #: (Layers it hands to ``flex`` read nothing more.)
-CALL_FIELDS = ("levels",)
+CALL_FIELDS = ("pack_valid", "levels")
 
 
 def unavailable(device: torch.device, needs_grad: bool) -> str | None:
@@ -183,11 +183,6 @@ def node_attention(query, key, value, layer: LayerCall):
     kernels = _kernels(query)
     reason = _flex_reason(kernels, query, value, options, call, cache, window)
     if reason is not None:
-        if layer.needs_grad and not flex.backward_available(query.device):
-            raise ValueError(
-                f"backend='flash' cannot serve a layer ({type(layer.module).__name__}: {reason}) and the flex backend "
-                f"it would go to has no backward on {query.device.type}; use backend='expand'"
-            )
         return flex.node_attention(query, key, value, layer)
     parts, kv = [], []
     own = cached(cache, ("flash-own",), lambda: Varlen.of(*(call.pack_valid.sum(1),) * 2))

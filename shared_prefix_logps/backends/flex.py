@@ -35,7 +35,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from .expand import cached
+from .expand import cached, masked_attention
 from .flex_blocks import BLOCK_SIZE, Links, Segments, concat_segments, run_segments, structured_block_mask
 from .flex_kernel_options import kernel_options
 from .layouts import LayerCall
@@ -269,8 +269,9 @@ CALL_FIELDS = ()
 
 
 def unavailable(device: torch.device, needs_grad: bool) -> str | None:
-    """Why ``backend='flex'`` cannot run on ``device`` in this grad mode (None: it can): torch's flex_attention must
-    exist there, its compiled kernels launch, and with gradients its backward exist (CUDA only)."""
+    """Why ``backend='flex'`` cannot run on ``device`` (None: it can): torch's flex_attention must exist there and its
+    compiled kernels launch. With gradients where flex_attention has no backward (CPU), the layout runs its mask
+    materialized through SDPA (:func:`_attend_materialized`)."""
     if not flex_available(device):
         return f"backend='flex' needs torch's flex_attention on {device.type}"
     if not compiled_kernels_launch(device):
@@ -279,11 +280,6 @@ def unavailable(device: torch.device, needs_grad: bool) -> str | None:
         return (
             "backend='flex' compiles flex_attention into Triton kernels, which cannot launch here "
             f"({cuda_launch_status(device).reason}); use backend='expand'"
-        )
-    if needs_grad and not backward_available(device):
-        return (
-            "backend='flex' has no backward on CPU (torch's flex_attention); use backend='expand', or call "
-            "under torch.no_grad() for scoring"
         )
     return None
 
@@ -302,6 +298,8 @@ def node_attention(query, key, value, layer: LayerCall) -> torch.Tensor:
     if ancestors:
         key = torch.cat([*(k[None] for k, _ in ancestors), key], dim=2)
         value = torch.cat([*(v[None] for _, v in ancestors), value], dim=2)
+    if needs_grad and not backward_available(query.device):
+        return _attend_materialized(query, key, value, layer)
     q_len = padded_length(n, query.device)
     kv_len = padded_length(key.shape[2], query.device)
 
@@ -311,10 +309,10 @@ def node_attention(query, key, value, layer: LayerCall) -> torch.Tensor:
             return node_block_mask(call, window, q_len, kv_len, q_blocks=q_blocks)
 
     mask = cached(layer.cache, ("flex", window), build)
-    return _attend(query, key, value, mask, q_len, n, layer.options, kv_len=kv_len)
+    return _attend(query, key, value, mask, q_len, n, layer.options, kv_len=kv_len, watch=layer.non_finite)
 
 
-def _attend(query, key, value, block_mask, q_len, n, options, kv_len=None):
+def _attend(query, key, value, block_mask, q_len, n, options, kv_len=None, watch=None):
     if options["dropout"]:
         raise ValueError("the flex backend does not apply attention dropout; use backend='expand'")
     kv_len = q_len if kv_len is None else kv_len
@@ -322,7 +320,8 @@ def _attend(query, key, value, block_mask, q_len, n, options, kv_len=None):
     v_head_dim = value.shape[3]
     # One row's NaN or inf stays in its row (the kernel's masked weights would multiply it by zero): non_finite.
     probe = functools.partial(_flex_call, block_mask=block_mask, scale=1.0, score_mod=None)
-    guard = NonFiniteGuard(probe, q_len, kv_len, width=max(16, MIN_HEAD_DIM.get(query.device.type, 0)))
+    width = max(16, MIN_HEAD_DIM.get(query.device.type, 0))
+    guard = NonFiniteGuard(probe, q_len, kv_len, width=width, watch=watch)
     query, key, value = guard.inputs(query, key, value)
     query, key, value = _widen_heads(query, key, value)
     out = _flex_call(
@@ -337,6 +336,51 @@ def _attend(query, key, value, block_mask, q_len, n, options, kv_len=None):
     if sinks is not None:
         out = _apply_sinks(*out, sinks)
     return guard.output(out[:, :, :n, :v_head_dim]).transpose(1, 2).contiguous()
+
+
+def _attend_materialized(query, key, value, layer: LayerCall) -> torch.Tensor:
+    """The layout's attention where torch's flex_attention has no backward (CPU) and gradients are wanted: the same
+    visibility (:func:`dense_node_mask`) materialized as one boolean (T, A + T) mask per call and window, one SDPA call
+    per layer (explicit scores for softcap and sinks), one row's non-finite values kept in their row as the kernel
+    path keeps them. Memory: the mask, (T x (A + T)) bytes per call: for tests and CPU runs, not for long rows."""
+    options = layer.options
+    if options["dropout"]:
+        raise ValueError("the flex backend does not apply attention dropout; use backend='expand'")
+    visible = cached(layer.cache, ("flex-dense", layer.window), lambda: dense_node_mask(layer.call, layer.window))
+    mask = visible[None, None]
+
+    def probe(q, k, v):  # (1, 1, length, width) float32 -> (1, 1, n, width), as NonFiniteGuard expects
+        return masked_attention(q, k, v, mask, scaling=1.0, softcap=None, dropout=0.0).transpose(1, 2)
+
+    guard = NonFiniteGuard(probe, query.shape[2], key.shape[2], width=16, watch=layer.non_finite)
+    query, key, value = guard.inputs(query, key, value)
+    out = masked_attention(
+        query,
+        key,
+        value,
+        mask,
+        scaling=options["scaling"],
+        softcap=options["softcap"],
+        dropout=0.0,
+        sinks=options.get("sinks"),
+    )
+    return guard.output(out.transpose(1, 2)).transpose(1, 2)
+
+
+def dense_node_mask(call, window) -> torch.Tensor:
+    """(T, A + T) bool on the call's device: which of [the ancestor store ; the call's own tokens] each of a node
+    call's T tokens sees: its nodes' ancestors and its own node causally (the same test as the flex kernel's mask
+    function), within the sliding window by positions. Every token sees itself."""
+    q_node, q_order, q_pos = call.query_node, call.query_order, call.positions[0]
+    k_node = torch.cat([call.store_node, q_node])
+    k_order = torch.cat([call.store_order, q_order])
+    k_pos = torch.cat([call.store_positions, q_pos])
+    k_end = call.node_end[k_node]
+    visible = (k_node[None, :] <= q_node[:, None]) & (q_node[:, None] < k_end[None, :])
+    visible &= (k_node[None, :] != q_node[:, None]) | (k_order[None, :] <= q_order[:, None])
+    if window is not None:
+        visible &= (q_pos[:, None] - k_pos[None, :]) < window
+    return visible
 
 
 def _widen_heads(query, key, value):
@@ -366,25 +410,39 @@ def _apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> t
 def node_block_mask(call, window, q_len: int, kv_len: int, *, q_blocks: bool = True):
     """BlockMask of a node call's queries (padded to ``q_len``) over [store ; own tokens] (padded to ``kv_len``),
     built from the trie's structure in work proportional to its blocks; ``q_blocks``: also the indices backward
-    reads.
+    reads. The call's nodes may be of several depths: a node sees its ancestors in the store and, in the call, its
+    ancestors before it and itself causally.
 
-    Padded queries (node -2) see no key; padded keys (node -1, subtree end -1) are seen by no query.
+    The structure is read from the call's host copy (``call.host``) where there is one, so the host waits for nothing;
+    the index tensors and the mask function's tensors are on the call's device. Padded queries (node -2) see no key;
+    padded keys (node -1, subtree end -1) are seen by no query.
     """
-    node_end = call.node_end
-    store_len = call.store_node.numel()
-    own, own_nodes = run_segments(call.query_node, call.positions[0])
-    store, store_nodes = run_segments(call.store_node, call.store_positions)
+    host = call.host if getattr(call, "host", None) is not None else call
+    node_end = host.node_end
+    store_len = host.store_node.numel()
+    own, own_nodes = run_segments(host.query_node, host.positions[0])
+    store, store_nodes = run_segments(host.store_node, host.store_positions)
     own_keys = Segments(start=own.start + store_len, length=own.length, position=own.position)
-    # Node-level pairs (call nodes x store runs): the store's runs that are ancestors of each of the call's nodes.
+    # Node-level pairs: the store's runs that are ancestors of each of the call's nodes, and the call's own nodes that
+    # are proper ancestors of others in it (a call of several depths).
     query_seg, key_seg = (
         (store_nodes[None, :] <= own_nodes[:, None]) & (own_nodes[:, None] < node_end[store_nodes][None, :])
     ).nonzero(as_tuple=True)
-    every = torch.arange(own_nodes.numel(), device=own_nodes.device)
+    inner_query, inner_key = (
+        (own_nodes[None, :] < own_nodes[:, None]) & (own_nodes[:, None] < node_end[own_nodes][None, :])
+    ).nonzero(as_tuple=True)
+    every = torch.arange(own_nodes.numel())
     links = Links(
-        query=torch.cat([query_seg, every]),
-        key=torch.cat([key_seg, every + store_nodes.numel()]),
-        causal=torch.cat([torch.zeros_like(query_seg, dtype=torch.bool), torch.ones_like(every, dtype=torch.bool)]),
+        query=torch.cat([query_seg, inner_query, every]),
+        key=torch.cat([key_seg, inner_key + store_nodes.numel(), every + store_nodes.numel()]),
+        causal=torch.cat(
+            [
+                torch.zeros(query_seg.numel() + inner_query.numel(), dtype=torch.bool),
+                torch.ones_like(every, dtype=torch.bool),
+            ]
+        ),
     )
+    node_end = call.node_end
     keys = torch.cat([call.store_node, call.query_node])
     mask_mod = _node_mask_mod(
         _pad(call.query_node, q_len, -2),
@@ -405,6 +463,7 @@ def node_block_mask(call, window, q_len: int, kv_len: int, *, q_blocks: bool = T
         window=window,
         mask_mod=mask_mod,
         q_blocks=q_blocks,
+        device=call.query_node.device,
     )
 
 

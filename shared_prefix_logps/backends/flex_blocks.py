@@ -33,6 +33,14 @@ import torch
 BLOCK_SIZE = 128
 
 
+def placed(tensor: torch.Tensor) -> dict:
+    """Where a new tensor built alongside ``tensor`` goes: ``tensor``'s device, named only off the host. Host tensors
+    are made without naming a device, so the builder runs the same on host tensors (a node call's host copy, which
+    makes the host wait for nothing) as on device ones, and a counter of host syncs can tell the two apart
+    (``bench/dispatch_count.py``)."""
+    return {"device": tensor.device} if tensor.device.type != "cpu" else {}
+
+
 @dataclass(frozen=True)
 class Segments:
     """Runs of consecutive tokens of one packed sequence, each with positions advancing by one per token.
@@ -82,21 +90,20 @@ def segments_of(owner: torch.Tensor, positions: torch.Tensor, count: int, *, off
             structure-built mask would not describe the batch.
     """
     owner, positions = owner.long(), positions.long()
-    device = owner.device
     if owner.numel() and count <= 0:
         raise ValueError("owner must be non-decreasing with values in [0, count): segments are runs of tokens")
     if owner.numel() == 0:
-        empty = torch.zeros(count, dtype=torch.long, device=device)
+        empty = torch.zeros(count, dtype=torch.long, **placed(owner))
         return Segments(start=empty + offset, length=empty, position=empty.clone())
     # Both checks are read back in one host synchronization, after the work (out-of-range owners are clamped so the
     # work itself stays in bounds).
     misordered = (owner[1:] < owner[:-1]).any() | (owner.min() < 0) | (owner.max() >= count)
     owner_in_range = owner.clamp(0, max(count - 1, 0))
-    length = torch.zeros(count, dtype=torch.long, device=device).index_add_(0, owner_in_range, torch.ones_like(owner))
+    length = torch.zeros(count, dtype=torch.long, **placed(owner)).index_add_(0, owner_in_range, torch.ones_like(owner))
     first = torch.cumsum(length, 0) - length
     # A segment's first token's position (0 for empty segments); no boolean indexing (a synchronization on CUDA).
     position = torch.where(length > 0, positions[first.clamp(max=owner.numel() - 1)], 0)
-    along = torch.arange(owner.numel(), device=device) - first[owner_in_range]
+    along = torch.arange(owner.numel(), **placed(owner)) - first[owner_in_range]
     drifting = (positions != position[owner_in_range] + along).any()
     misordered, drifting = torch.stack([misordered, drifting]).tolist()
     if misordered:
@@ -152,6 +159,7 @@ def structured_block_mask(
     window: int | None,
     mask_mod,
     q_blocks: bool = True,
+    device: torch.device | None = None,
 ):
     """The BlockMask of ``links`` over (``q_len``, ``kv_len``), built from the structure alone.
 
@@ -168,6 +176,8 @@ def structured_block_mask(
         mask_mod: flex mask function equal to the structure, for the partial blocks.
         q_blocks: also build the transposed indices backward needs (``q_num_blocks``/``q_indices``); torch
             versions whose BlockMask requires them get them regardless.
+        device: where the BlockMask's index tensors go (None: where the segments are). Built from host segments, the
+            indices reach the device by non-blocking copies: the host reads nothing of the device.
     """
     for name, value in (("q_len", q_len), ("kv_len", kv_len)):
         if value <= 0 or value % BLOCK_SIZE:
@@ -198,6 +208,8 @@ def structured_block_mask(
         parts["full_q_num_blocks"], parts["full_q_indices"] = _ordered(rows, cols, full_t, num_kv, num_q)
     from torch.nn.attention.flex_attention import BlockMask
 
+    if device is not None:
+        parts = {k: v if v is None else v.to(device, non_blocking=True) for k, v in parts.items()}
     return BlockMask(seq_lengths=(q_len, kv_len), BLOCK_SIZE=(BLOCK_SIZE, BLOCK_SIZE), mask_mod=mask_mod, **parts)
 
 
@@ -219,11 +231,11 @@ def _ordered(rows: torch.Tensor, cols: torch.Tensor, keep: torch.Tensor, num_row
     to a spare row past the last, which the result leaves out.
     """
     keep = keep.long()
-    counts = torch.zeros(num_rows, dtype=torch.long, device=rows.device).index_add_(0, rows, keep)
+    counts = torch.zeros(num_rows, dtype=torch.long, **placed(rows)).index_add_(0, rows, keep)
     kept_before = torch.cumsum(keep, 0) - keep  # kept blocks ahead of each block, all rows
     row_start = torch.cumsum(counts, 0) - counts
     rank = kept_before - row_start[rows]
-    indices = torch.zeros(num_rows + 1, num_cols, dtype=torch.int32, device=rows.device)
+    indices = torch.zeros(num_rows + 1, num_cols, dtype=torch.int32, **placed(rows))
     spare = torch.where(keep.bool(), rows, num_rows)
     indices[spare, torch.where(keep.bool(), rank, 0)] = cols.to(torch.int32)
     return counts.to(torch.int32)[None, None], indices[:num_rows][None, None]
@@ -266,7 +278,7 @@ def _visible_pairs_per_block(
 
     # Links do not overlap (a pair of segments is linked once), so the per-block sums are exact.
     block, inverse = torch.unique(q_block * num_kv + kv_block, sorted=True, return_inverse=True)
-    visible = torch.zeros(block.numel(), dtype=torch.long, device=block.device).index_add_(0, inverse, count)
+    visible = torch.zeros(block.numel(), dtype=torch.long, **placed(block)).index_add_(0, inverse, count)
     return block // num_kv, block % num_kv, visible
 
 
@@ -277,8 +289,8 @@ def _expand(first: torch.Tensor, last: torch.Tensor, keep: torch.Tensor) -> tupl
     span = torch.where(keep, last - first + 1, 0)
     ends = torch.cumsum(span, 0)
     total = int(ends[-1]) if span.numel() else 0
-    source = torch.repeat_interleave(torch.arange(span.numel(), device=span.device), span, output_size=total)
-    step = torch.arange(total, device=span.device) - (ends - span)[source]
+    source = torch.repeat_interleave(torch.arange(span.numel(), **placed(span)), span, output_size=total)
+    step = torch.arange(total, **placed(span)) - (ends - span)[source]
     return source, first[source] + step
 
 

@@ -37,6 +37,8 @@ class Layout:
             budget counts those copies (``backends/expand_memory.py`` via ``engine/budget.py``); packed layouts count
             their tokens only.
         plugins: offered through the trainer plug-ins' ``backend`` option.
+        multi_depth: a node call may hold nodes of several depths, each attending over its ancestors in the call as
+            over those of earlier calls: the walk forwards a plan of one chunk in one model call.
     """
 
     name: str
@@ -45,12 +47,21 @@ class Layout:
     auto_devices: frozenset[str] | None
     padded: bool
     plugins: bool
+    multi_depth: bool = False
 
 
 #: Every layout, in the order the ``backend=`` values list them.
 LAYOUTS = (
     Layout("expand", f"{__package__}.expand", auto_rank=1, auto_devices=None, padded=True, plugins=True),
-    Layout("flex", f"{__package__}.flex", auto_rank=0, auto_devices=frozenset({"cuda"}), padded=False, plugins=True),
+    Layout(
+        "flex",
+        f"{__package__}.flex",
+        auto_rank=0,
+        auto_devices=frozenset({"cuda"}),
+        padded=False,
+        plugins=True,
+        multi_depth=True,
+    ),
     Layout("flash", f"{__package__}.flash", auto_rank=None, auto_devices=None, padded=False, plugins=False),
 )
 
@@ -72,6 +83,8 @@ class LayerCall:
         window: the layer's sliding window, or None.
         options: ``scaling``, ``softcap``, ``dropout`` and ``sinks`` (a (heads,) tensor or None) of the layer.
         needs_grad: whether the caller expects gradients (read before checkpointing disables them).
+        non_finite: the node call's :class:`~.non_finite.NonFiniteWatch` (how packed layouts keep a non-finite
+            value in its row: optimistically or checking every layer), or None to check every layer.
     """
 
     module: torch.nn.Module
@@ -81,6 +94,7 @@ class LayerCall:
     window: int | None
     options: dict
     needs_grad: bool
+    non_finite: object = None
 
 
 def layout(name: str) -> Layout:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backends import layouts
 from ..backends.layouts import layout_module
 from ..forward.node_call import FlashLevel, NodeCall
 from .trie import PrefixTrie
@@ -49,7 +50,15 @@ def scored_pairs(trie: PrefixTrie, row: torch.Tensor, position: torch.Tensor, ta
 
 #: The fields of a :class:`~..forward.node_call.NodeCall` that only some layouts read, built where the layout's
 #: ``CALL_FIELDS`` name them (``backends/layouts.py``).
-_OPTIONAL_FIELDS = ("ancestor_index", "ancestor_valid", "levels")
+_OPTIONAL_FIELDS = ("pack_index", "pack_valid", "ancestor_index", "ancestor_valid", "levels")
+
+
+def _pack_index(lengths: torch.Tensor) -> torch.Tensor:
+    """(S, longest) int64: the packed token of each node's i-th token (0 past its end)."""
+    valid = torch.arange(int(lengths.max()))[None, :] < lengths[:, None]
+    index = torch.zeros(valid.shape, dtype=torch.long)
+    index[valid] = torch.arange(int(lengths.sum()))
+    return index
 
 
 class CallPlanner:
@@ -60,6 +69,8 @@ class CallPlanner:
         self.trie, self.pairs, self.layout = trie, pairs, layout
         # The optional fields of a call that the layout reads (``CALL_FIELDS`` of its module): only these are built.
         self.reads = tuple(layout_module(layout).CALL_FIELDS)
+        # Whether a call may hold a node and its ancestors (several depths), each seeing the others in the call.
+        self.multi_depth = layouts.layout(layout).multi_depth
         unknown = [name for name in self.reads if name not in _OPTIONAL_FIELDS]
         if unknown:
             raise ValueError(f"layout {layout!r} reads node-call fields the planner does not build: {unknown}")
@@ -86,16 +97,13 @@ class CallPlanner:
         return node, order
 
     def plan(self, nodes) -> NodeCall:
-        """The next call, over ``nodes`` (of one depth, ascending; each ancestor already planned)."""
+        """The next call, over ``nodes`` (ascending, i.e. depth-first; each ancestor planned in an earlier call, or in
+        this one where the layout serves calls of several depths)."""
         trie = self.trie
         nodes = torch.as_tensor(nodes, dtype=torch.long)
         call_id = self.num_calls
         lengths = trie.node_length[nodes]
-        inner = torch.arange(int(lengths.max()))
-        pack_valid = inner[None, :] < lengths[:, None]
         count = int(lengths.sum())
-        pack_index = torch.zeros(pack_valid.shape, dtype=torch.long)
-        pack_index[pack_valid] = torch.arange(count)
         query_node, query_order = self._runs(nodes)
         self.node_call[nodes] = call_id
         self.node_local[nodes] = torch.cumsum(lengths, 0) - lengths
@@ -110,16 +118,22 @@ class CallPlanner:
         ancestor, token = trie.token_at(trie.node_row[nodes][:, None], columns[None, :])
         ancestor = ancestor.masked_fill(~ancestor_valid, 0)
         ancestor_call = self.node_call[ancestor]
-        sources = torch.unique(ancestor_call[ancestor_valid]).tolist()
-        if any(source < 0 or source == call_id for source in sources):
+        in_call = ancestor_valid & (ancestor_call == call_id)
+        if not self.multi_depth and bool(in_call.any()):
+            raise RuntimeError(
+                f"a node call holds a node and one of its ancestors, which layout {self.layout!r} "
+                "does not serve (a call per depth)"
+            )
+        sources = torch.unique(ancestor_call[ancestor_valid & ~in_call]).tolist()
+        if any(source < 0 for source in sources):
             raise RuntimeError("a node call was planned before one of its ancestors' calls")
-        source_offset = torch.zeros(max(call_id, 1), dtype=torch.long)
-        sizes = torch.tensor([self.call_sizes[s] for s in sources], dtype=torch.long)
-        source_offset[sources] = torch.cumsum(sizes, 0) - sizes
-        within = token - trie.node_offset[ancestor]
-        store_index = (source_offset[ancestor_call] + self.node_local[ancestor] + within).masked_fill(
-            ~ancestor_valid, 0
-        )
+
+        def store_index():  # the layouts of one depth per call only: every ancestor token in the store
+            source_offset = torch.zeros(max(call_id, 1), dtype=torch.long)
+            sizes = torch.tensor([self.call_sizes[s] for s in sources], dtype=torch.long)
+            source_offset[sources] = torch.cumsum(sizes, 0) - sizes
+            within = token - trie.node_offset[ancestor]
+            return (source_offset[ancestor_call] + self.node_local[ancestor] + within).masked_fill(~ancestor_valid, 0)
 
         span = torch.repeat_interleave(torch.arange(nodes.numel()), self.pair_count[nodes])
         within_pairs = (
@@ -131,28 +145,36 @@ class CallPlanner:
         store_nodes = torch.cat([self.call_nodes[s] for s in sources]) if sources else nodes[:0]
         store_node, store_order = self._runs(store_nodes)
         optional = {
-            "ancestor_index": lambda: store_index,
+            "pack_index": lambda: _pack_index(lengths),
+            "pack_valid": lambda: torch.arange(int(lengths.max()))[None, :] < lengths[:, None],
+            "ancestor_index": store_index,
             "ancestor_valid": lambda: ancestor_valid,
-            "levels": lambda: self._levels(nodes, lengths, store_index),
+            "levels": lambda: self._levels(nodes, lengths, store_index()),
         }
         extra = {name: optional[name]() for name in self.reads}
+        # Later calls attend over this one's prefix states where some node has a descendant outside the call.
+        outside = torch.ones(trie.num_nodes + 1, dtype=torch.long)
+        outside[nodes + 1] = 0
+        outside = torch.cumsum(outside, 0)  # outside[k]: nodes before k (and the sentinel) not in this call, plus 1
+        ends = trie.subtree_end[nodes]
+        keeps_states = bool((outside[ends] - outside[nodes + 1] > 0).any())
         return NodeCall(
             nodes=nodes,
             input_ids=trie.tokens[trie.node_offset[query_node] + query_order][None],
             positions=(trie.node_start[query_node] + query_order)[None],
-            pack_index=pack_index,
-            pack_valid=pack_valid,
             sources=sources,
             head_index=head_index,
             head_pairs=head_pairs,
             head_targets=self.pairs.target[head_pairs],
             query_node=query_node,
             query_order=query_order,
+            query_slot=torch.repeat_interleave(torch.arange(nodes.numel()), lengths),
             store_node=store_node,
             store_order=store_order,
             store_positions=trie.node_start[store_node] + store_order,
             node_end=trie.subtree_end,
-            keeps_states=bool((trie.subtree_end[nodes] > nodes + 1).any()),
+            keeps_states=keeps_states,
+            same_ancestors=bool(starts.min() == starts.max()),
             **extra,
         )
 

@@ -20,13 +20,14 @@ def dense_logps(
     predicted by the logits of column ``c - 1`` (a real token: scored columns follow a row's first real token). As
     trainers do, logits are computed only from the column before the first scored one on.
     """
-    mask, score = rows.attention_mask, rows.score_mask
-    width = mask.shape[1]
-    scored_columns = score.any(0).nonzero()
+    device = prepared.device
+    width = rows.attention_mask.shape[1]
+    scored_columns = rows.score_mask.any(0).nonzero()
     first = int(scored_columns[0]) if scored_columns.numel() else width
+    ids, mask, score = (t.to(device, non_blocking=True) for t in (rows.input_ids, rows.attention_mask, rows.score_mask))
     position_ids = (mask.long().cumsum(1) - 1).clamp(min=0)
     logits = prepared.outer(
-        input_ids=rows.input_ids,
+        input_ids=ids,
         attention_mask=mask,
         position_ids=position_ids,
         use_cache=False,
@@ -35,7 +36,7 @@ def dense_logps(
     log_probs = torch.log_softmax(logits[:, :-1].float() / temperature, dim=-1)
     scored = score[:, first:]
     logps = result_zeros(*mask.shape, device=logits.device)
-    targets = rows.input_ids[:, first:, None]
+    targets = ids[:, first:, None]
     logps[:, first:] = log_probs.gather(-1, targets).squeeze(-1).masked_fill(~scored, 0.0)
     entropy = None
     if return_entropy:

@@ -4,10 +4,12 @@ accelerate hooks fire as in any forward), and the one-token forward that stands 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
+from ..backends.non_finite import NonFiniteWatch
 from ..forward.context import CONTEXT_KWARG, CallSettings, ContextHandle, NodeContext, activated
 from ..forward.node_call import NodeCall
 from ..forward.routing import release
@@ -85,6 +87,8 @@ def forward_call(
     weight_grads=None,
     keep_logits_bytes: int = 0,
     recurrent: RecurrentCall | None = None,
+    rerun: Callable[[bool], bool] | None = None,
+    read_gradients: bool = True,
 ) -> CallOutputs:
     """Forward ``call`` (on the model's device) attending over ``sources`` (the prefix states of ``call.sources``).
 
@@ -93,6 +97,13 @@ def forward_call(
     linear-attention hybrid's recurrent part of the call (``engine/recurrent_states.py``), required when the model has
     recurrent layers. Returns the call's :class:`CallOutputs`, all differentiable when grad is enabled and leaving
     through the model's output (see ``forward/routing.py``).
+
+    ``rerun``: where a forward may be run again (``rerun(this process found a non-finite value) -> every process runs
+    again``; the identity for a single process), a packed layout runs optimistically: no layer checks for non-finite
+    values, the call checks its final hidden states once and runs again isolating in the rare case one is not finite
+    (``backends/non_finite.py``). None: every layer checks (a second forward would break the pairing of collectives).
+    ``read_gradients``: in backward, read once whether the gradients reaching the call are finite (False: every layer
+    isolates non-finite gradients without a read, for calls whose backward the library runs, one per chunk).
     """
     if (recurrent is None) != (prepared.recurrent is None):
         raise ValueError(
@@ -100,6 +111,18 @@ def forward_call(
             f"{'with' if prepared.recurrent is not None else 'without'} recurrent layers needs "
             f"{'a' if prepared.recurrent is not None else 'no'} recurrent part"
         )
+    # A hybrid's recurrent part holds the state of its one forward: such calls check every layer.
+    optimistic = rerun is not None and recurrent is None
+    watch = NonFiniteWatch(optimistic, always_isolate_gradients=optimistic and not read_gradients)
+    options = dict(weight_grads=weight_grads, keep_logits_bytes=keep_logits_bytes, recurrent=recurrent)
+    outputs = _forward_once(prepared, call, sources, settings, watch=watch, **options)
+    if watch.optimistic and rerun(not watch.all_finite()):
+        del outputs  # the optimistic forward's graph goes before the isolating one is built
+        outputs = _forward_once(prepared, call, sources, settings, watch=NonFiniteWatch(optimistic=False), **options)
+    return outputs
+
+
+def _forward_once(prepared, call, sources, settings, *, weight_grads, keep_logits_bytes, recurrent, watch):
     context = NodeContext(
         call=call,
         sources=sources,
@@ -108,10 +131,17 @@ def forward_call(
         head_spec=prepared.head,
         weight_grads=weight_grads,
         keep_logits_bytes=keep_logits_bytes,
+        non_finite=watch,
     )
     extra = {"output_router_logits": True} if settings.router is not None else {}
     if recurrent is not None:
         extra[RECURRENT_CALL_KWARG] = recurrent
+    else:
+        # An all-ones padding mask of the packed tokens (a device fill, no host data): without one, transformers'
+        # mask preparation looks for packed sequences in the position ids on the host (a sync per call). The node
+        # call's attention builds its own masks; the mask builder registered beside it returns none in node calls.
+        # (A hybrid's linear-attention layers read the mask on the host either way.)
+        extra["attention_mask"] = torch.ones(call.input_ids.shape, dtype=torch.bool, device=call.input_ids.device)
     with (
         force_non_reentrant_checkpointing(prepared.causal_lm),
         activated(context),
@@ -143,13 +173,13 @@ def forward_call(
     )
     boxes = [box for box in context.routes.values() if box is not None]
     boxes += ([] if recurrent is None else recurrent.boxes()) + [context.route]
-    outputs = attached.from_tensors(release(logits, boxes))
+    outputs = attached.from_tensors(watch.watch_gradients(release(logits, boxes)))
     if settings.router is not None:
-        valid = call.pack_valid
-        owner = torch.arange(valid.shape[0], device=valid.device)[:, None].expand_as(valid)[valid]
+        owner = call.query_slot
         tokens = torch.arange(owner.numel(), device=owner.device)
         router_logits = getattr(output, "router_logits", None)
-        outputs = replace(outputs, router=token_sums(router_logits, tokens, owner, valid.shape[0], settings.router[1]))
+        nodes = call.nodes.numel()
+        outputs = replace(outputs, router=token_sums(router_logits, tokens, owner, nodes, settings.router[1]))
     return outputs
 
 

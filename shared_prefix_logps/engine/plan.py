@@ -36,14 +36,16 @@ class Plan:
     Attributes:
         trie: the rows' trie.
         pairs: the scored pairs; ``pairs.of_scored`` follows ``score_mask`` in row-major order.
-        score_mask: (rows, width) bool on the model's device: the output's scored positions (the completion tokens of
-            a grouped batch, (rows, C); a tree call's score mask, (N, L)).
+        score_mask: (rows, width) bool on the host: the output's scored positions (the completion tokens of a grouped
+            batch, (rows, C); a tree call's score mask, (N, L)).
+        output_mask: ``score_mask`` on the model's device: the output's mask, where the results are scattered.
         chunks: (k,) int64 CPU row indices per chunk, in order; every row once (empty until an order is chosen).
     """
 
     trie: PrefixTrie
     pairs: ScoredPairs
     score_mask: torch.Tensor
+    output_mask: torch.Tensor
     chunks: tuple[torch.Tensor, ...] = ()
 
     @property
@@ -75,16 +77,16 @@ def grouped_plan(batch: GroupedBatch, *, deeper: bool, merge_below: int, one_tok
     rows ``[prompt | completion]`` with the tiny-node rule's ``merge_below`` (and ``one_token_forks``, see
     :func:`one_token_forks`; the two-level trie has no node between a parent and children). Results are (rows, C)."""
     mask = batch.completion_mask
-    row, column = mask.cpu().nonzero(as_tuple=True)
-    target = batch.completion_ids.cpu()[row, column]
-    prompt_length = batch.prompt_mask.sum(1).cpu()[batch.group_index.cpu()]
+    row, column = mask.nonzero(as_tuple=True)
+    target = batch.completion_ids[row, column]
+    prompt_length = batch.prompt_mask.sum(1)[batch.group_index]
     if deeper:
         trie = rows_trie(grouped_rows(batch), merge_below, one_token_forks=one_token_forks)
     else:
         trie = grouped_trie(
             batch.prompt_ids, batch.prompt_mask, batch.completion_ids, batch.completion_mask, batch.group_index
         )
-    return Plan(trie, scored_pairs(trie, row, prompt_length[row] + column, target), mask)
+    return Plan(trie, scored_pairs(trie, row, prompt_length[row] + column, target), mask, batch.output_mask)
 
 
 def rows_plan(rows: TreeRows, merge_below: int, *, one_token_forks: bool = True) -> Plan:
@@ -92,9 +94,10 @@ def rows_plan(rows: TreeRows, merge_below: int, *, one_token_forks: bool = True)
     ``merge_below`` (0: none), and without ``one_token_forks`` no one-token node between a parent and children
     (:func:`one_token_forks`). Results are (N, L)."""
     trie = rows_trie(rows, merge_below, one_token_forks=one_token_forks)
-    row, column = rows.score_mask.cpu().nonzero(as_tuple=True)
-    target = rows.input_ids.cpu()[row, column]
-    return Plan(trie, scored_pairs(trie, row, column - rows.first_column.cpu()[row], target), rows.score_mask)
+    row, column = rows.score_mask.nonzero(as_tuple=True)
+    target = rows.input_ids[row, column]
+    pairs = scored_pairs(trie, row, column - rows.first_column[row], target)
+    return Plan(trie, pairs, rows.score_mask, rows.output_mask)
 
 
 def one_token_forks(prepared: PreparedModel) -> bool:

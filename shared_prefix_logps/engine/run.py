@@ -14,11 +14,13 @@ alike.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 from ..distributed.backward_driver import backward_chunk_loss
-from ..distributed.lockstep import Lockstep
+from ..distributed.lockstep import Lockstep, collective_wrapper
 from ..forward.context import CallSettings
 from ..inputs import GroupedBatch
 from ..kernels.fused_head import keep_logits_bytes
@@ -27,6 +29,7 @@ from ..moe_router import RouterStats, in_row_order
 from ..output import LogpsOutput, result_zeros
 from . import merge
 from .budget import DEFAULT_TOKEN_BUDGET, NodeCosts, budgeted_chunks
+from .grad_accumulation import AccumulatingDriver, grad_accumulation
 from .lockstep import CallAgreement, agreed_depth_padding
 from .plan import Plan, grouped_plan, one_token_forks
 from .sharing import deeper_sharing_pays
@@ -72,24 +75,27 @@ def score_plan(
     """
     if lockstep is not None and not torch.is_grad_enabled():
         with lockstep.forwards(prepared.outer):
-            return _score(prepared, plan, settings, token_budget, None)
+            return _score(prepared, plan, settings, token_budget, None, joined=True)
     return _score(prepared, plan, settings, token_budget, lockstep)
 
 
-def _score(prepared, plan: Plan, settings: CallSettings, token_budget, lockstep) -> LogpsOutput:
+def _score(prepared, plan: Plan, settings: CallSettings, token_budget, lockstep, *, joined=False) -> LogpsOutput:
     grad = torch.is_grad_enabled()
     if grad:
         plan = plan.in_one_chunk()
     else:
         rows = plan.depth_first_rows()
         if settings.router is None:  # a row without a scored position needs no forward
-            rows = rows[plan.score_mask.sum(1).cpu()[rows] > 0]
+            rows = rows[plan.score_mask.sum(1)[rows] > 0]
         costs = NodeCosts.of(prepared.causal_lm, prepared.device, settings.layout)
         plan = plan.ordered(budgeted_chunks(plan.trie, rows, token_budget or DEFAULT_TOKEN_BUDGET, costs))
+    # A call may run again (optimistically, see model_call) where no collective pairs it with other processes' calls:
+    # a model without a collective wrapper, or no-grad calls whose forwards lockstep joins.
+    rerun = _run_again if joined or collective_wrapper(prepared.outer) is None else None
+    walk = Walk(prepared, plan, settings, rerun=rerun)
     padding = None
     if grad and lockstep is not None:
-        padding = agreed_depth_padding(lockstep, prepared, int(plan.trie.depth.max()) if plan.trie.num_nodes else 0)
-    walk = Walk(prepared, plan, settings)
+        padding = agreed_depth_padding(lockstep, prepared, walk.model_calls())
     results = _Results(plan, settings, prepared.device)
     for chunk in plan.chunks:
         out = walk.forward_rows(chunk)
@@ -111,12 +117,16 @@ def train_plan(prepared: PreparedModel, plan: Plan, settings: CallSettings, loss
     ``loss_fn(chunk_out, rows) -> scalar`` as for the chunked backwards; ``driver`` runs the backward passes
     (``distributed/backward_driver.py``); ``steps``: the processes' agreement (every node forward and backward agreed
     first), or None."""
-    agreement = None if steps is None else CallAgreement(steps, prepared, driver)
     grads = weight_grads(prepared, driver)
+    accumulation = grad_accumulation(prepared, driver, {id(p) for p in grads.parameters()} if grads else set())
+    if accumulation is not None:
+        driver = AccumulatingDriver(driver, accumulation)
+    agreement = None if steps is None else CallAgreement(steps, prepared, driver)
     walk = Walk(
         prepared,
         plan,
         settings,
+        rerun=_run_again if collective_wrapper(prepared.outer) is None else None,
         leaves=True,
         backward=driver.tensors if agreement is None else agreement.backward,
         agreement=agreement,
@@ -124,31 +134,37 @@ def train_plan(prepared: PreparedModel, plan: Plan, settings: CallSettings, loss
         keep_logits_bytes=keep_logits_bytes(prepared.device),
     )
     results = _Results(plan, settings, prepared.device)
-    try:
-        driver.begin()  # under DDP: every backward local, the gradients averaged once by driver.finish()
-        for chunk in plan.chunks:
-            chunk_out = walk.forward_rows(chunk)
-            if settings.router is not None:
-                chunk_out.router = walk.router(chunk, settings.router[0])
-            loss = loss_fn(chunk_out, chunk.to(prepared.device))
-            backward_chunk_loss(
-                driver,
-                loss,
-                chunk_rows=chunk,
-                has_valid=bool(chunk_out.mask.any()),
-                logps_need_grad=chunk_out.logps.requires_grad,
-            )
-            results.add(chunk, chunk_out.detach())
-            del chunk_out, loss
-            walk.finish_rows(chunk)
-        if grads is not None:
-            grads.deliver()
-        if agreement is not None:
-            agreement.finish()
-        driver.finish()
-    finally:
-        driver.close()
+    with accumulation.installed() if accumulation is not None else contextlib.nullcontext():
+        try:
+            driver.begin()  # under DDP: every backward local, the gradients averaged once by driver.finish()
+            for chunk in plan.chunks:
+                chunk_out = walk.forward_rows(chunk)
+                if settings.router is not None:
+                    chunk_out.router = walk.router(chunk, settings.router[0])
+                loss = loss_fn(chunk_out, chunk.to(prepared.device, non_blocking=True))
+                backward_chunk_loss(
+                    driver,
+                    loss,
+                    chunk_rows=chunk,
+                    has_valid=bool(plan.score_mask[chunk].any()),
+                    logps_need_grad=chunk_out.logps.requires_grad,
+                )
+                results.add(chunk, chunk_out.detach())
+                del chunk_out, loss
+                walk.finish_rows(chunk)
+            if grads is not None:
+                grads.deliver()
+            if agreement is not None:
+                agreement.finish()
+            driver.finish()
+        finally:
+            driver.close()
     return results.output()
+
+
+def _run_again(found: bool) -> bool:
+    """A process on its own runs a call again when it found a non-finite value (see ``model_call.forward_call``)."""
+    return found
 
 
 class _Results:
@@ -175,7 +191,7 @@ class _Results:
             self.routed.append(out.router)
 
     def output(self) -> LogpsOutput:
-        result = LogpsOutput(self.logps, self.entropy, self.plan.score_mask)
+        result = LogpsOutput(self.logps, self.entropy, self.plan.output_mask)
         if self.settings.router is not None:
             result.router = in_row_order(
                 self.rows, self.routed, self.settings.router[0], rows=self.plan.num_rows, device=self.device

@@ -47,7 +47,7 @@ def prompt_tokens_saved(batch: GroupedBatch) -> int:
     mask = batch.prompt_mask
     lengths = mask.sum(1)
     width = mask.shape[1]
-    inner = torch.arange(width, device=mask.device)
+    inner = torch.arange(width)
     columns = (width - lengths)[:, None] + inner[None, :]
     past_end = inner[None, :] >= lengths[:, None]
     # Left-justified, -1 after the end: ordered below every token, so a prompt sorts right before its extensions.

@@ -63,6 +63,15 @@ class Walk:
             runs before each call's forward.
         weight_grads: the entry point's head/embedding weight-gradient buffers (``weight_grads.py``), or None.
         keep_logits_bytes: the fused head keeps each call's logits for its backward up to this size (0: none).
+        rerun: how a call that found a non-finite value after an optimistic forward is run again (``rerun(found) ->
+            every process runs again``), or None where a call may not run twice: every layer checks instead
+            (:func:`~.model_call.forward_call`).
+
+    With a layout that serves calls of several depths (the layout table's ``multi_depth``) and a plan of one chunk,
+    the walk forwards the whole trie in one model call; otherwise one call per depth of each chunk's new nodes. (A
+    chunk's call in a plan of several would keep its deeper nodes' activations alive until its shallower ones back-
+    propagate, after every chunk; a hybrid's recurrent layers continue each node from its parent's end state, handed
+    over between calls.)
     """
 
     def __init__(
@@ -76,18 +85,20 @@ class Walk:
         agreement=None,
         weight_grads=None,
         keep_logits_bytes: int = 0,
+        rerun=None,
     ):
         self.prepared, self.plan, self.settings = prepared, plan, settings
         self.leaves, self.backward, self.agreement = leaves, backward, agreement
-        self.weight_grads, self.keep_logits_bytes = weight_grads, keep_logits_bytes
+        self.weight_grads, self.keep_logits_bytes, self.rerun = weight_grads, keep_logits_bytes, rerun
         trie = plan.trie
         self.planner = CallPlanner(trie, plan.pairs, settings.layout)
+        self.one_call = self.planner.multi_depth and len(plan.chunks) <= 1 and prepared.recurrent is None
         path = trie.row_path
         # Rows still to be processed through each node: its call may back-propagate (or be freed) once this is 0.
         self.remaining = torch.bincount(path[path >= 0], minlength=trie.num_nodes)
         self.calls: dict[int, _Call] = {}
         # Row r's scored positions are pairs.of_scored[scored_start[r] : scored_start[r] + scored_count[r]].
-        self.scored_count = plan.score_mask.sum(1).cpu()
+        self.scored_count = plan.score_mask.sum(1)
         self.scored_start = torch.cumsum(self.scored_count, 0) - self.scored_count
         # Each pair's index among the head results of every call so far, calls in order (int32: one per pair).
         self.pair_position = torch.full((plan.pairs.target.numel(),), -1, dtype=torch.int32)
@@ -103,11 +114,15 @@ class Walk:
         nodes = trie.row_path[rows].reshape(-1)
         nodes = torch.unique(nodes[nodes >= 0])
         new = nodes[self.planner.node_call[nodes] < 0]
-        depth = trie.depth[new]
-        for level in torch.unique(depth).tolist():
-            self._forward(new[depth == level])
+        if self.one_call:
+            if new.numel():
+                self._forward(new)
+        else:
+            depth = trie.depth[new]
+            for level in torch.unique(depth).tolist():
+                self._forward(new[depth == level])
         device = self.prepared.device
-        score = self.plan.score_mask[rows.to(self.plan.score_mask.device)]
+        score = self.plan.output_mask[rows.to(device, non_blocking=True)]
         counts = self.scored_count[rows]
         pairs = self.plan.pairs.of_scored[
             torch.repeat_interleave(self.scored_start[rows] - (torch.cumsum(counts, 0) - counts), counts)
@@ -123,7 +138,7 @@ class Walk:
             sizes = torch.tensor([self.head_counts[c] for c in calls])
             offsets = torch.zeros(self.planner.num_calls, dtype=torch.long)
             offsets[calls] = torch.cumsum(sizes, 0) - sizes
-            index = (offsets[call_of] + position - first_pair[call_of]).to(device)
+            index = (offsets[call_of] + position - first_pair[call_of]).to(device, non_blocking=True)
             logps = logps.masked_scatter(score, torch.cat([self.calls[c].used.logps for c in calls])[index])
             if self.settings.return_entropy:
                 entropy = entropy.masked_scatter(score, torch.cat([self.calls[c].used.entropy for c in calls])[index])
@@ -141,6 +156,13 @@ class Walk:
                 logps = logps + anchor
                 entropy = None if entropy is None else entropy + anchor
         return LogpsOutput(logps, entropy, score)
+
+    def model_calls(self) -> int:
+        """How many node calls the walk of a plan of one chunk makes: one, or one per trie depth (0 without nodes)."""
+        trie = self.plan.trie
+        if trie.num_nodes == 0:
+            return 0
+        return 1 if self.one_call else int(trie.depth.max())
 
     def router(self, rows: torch.Tensor, num_experts: int) -> RouterStats:
         """The rows' router statistics: the sums of the nodes on each row's path (differentiable through the calls'
@@ -166,6 +188,8 @@ class Walk:
             weight_grads=self.weight_grads,
             keep_logits_bytes=self.keep_logits_bytes,
             recurrent=self._recurrent(nodes),
+            rerun=self.rerun,
+            read_gradients=not self.leaves,
         )
         used = outputs
         if self.leaves:

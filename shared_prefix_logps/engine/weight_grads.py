@@ -49,6 +49,13 @@ class WeightGrads:
             self.buffers[id(parameter)] = (parameter, zeros)
         return self.buffers[id(parameter)][1]
 
+    def parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients go to buffers."""
+        found = [self.head_weight] if self.head_weight is not None else []
+        if self.embedding is not None and all(p is not self.embedding.weight for p in found):
+            found.append(self.embedding.weight)
+        return found
+
     def embedding_hook(self):
         """Context manager: during a node call's forward, the input embedding's output routes its gradient into the
         embedding weight's buffer instead of autograd's dense gradient."""
@@ -103,7 +110,7 @@ def weight_grads(prepared, driver) -> WeightGrads | None:
     """The buffers of a chunked call whose backward passes run through ``driver``, or None where gradients must take
     autograd's own way (a sharded or engine-managed model, a compiled model, nothing of the head or embedding
     trained)."""
-    if type(driver) not in (PlainBackward, DDPBackward) or _compiled(prepared.outer):
+    if type(driver) not in (PlainBackward, DDPBackward) or compiled_model(prepared.outer):
         return None
     # FSDP and ZeRO swap sharded parameters for gathered ones in each forward and reduce their gradients in hooks:
     # only a plain model, or DDP's local accumulation, hands its parameters to the head and embedding as they are.
@@ -124,7 +131,7 @@ def weight_grads(prepared, driver) -> WeightGrads | None:
     return WeightGrads(head, embedding)
 
 
-def _compiled(model: nn.Module) -> bool:
+def compiled_model(model: nn.Module) -> bool:
     """Whether ``model`` or a module inside it is compiled (a forward hook added for one call would recompile it)."""
     return any(
         getattr(module, "_compiled_call_impl", None) is not None or type(module).__name__ == "OptimizedModule"

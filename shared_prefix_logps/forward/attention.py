@@ -149,6 +149,7 @@ def _node_attention(module, query, key, value, attention_mask, handle, kwargs):
         window=window,
         options=options,
         needs_grad=context.needs_grad,
+        non_finite=context.non_finite,
     )
     output = layout_module(context.settings.layout).node_attention(query, key, value, layer)
     if context.finished:

@@ -67,6 +67,8 @@ class NodeContext:
         route: RouteBox of the head's results (log-probs, then entropy when requested), one per head pair.
         masks: what the layouts build once per call (masks, kernel choices), keyed by kind and sliding window.
         finished: set once the forward has returned (later attention calls are checkpoint recomputations).
+        non_finite: the call's :class:`~shared_prefix_logps.backends.non_finite.NonFiniteWatch` (how packed layouts
+            keep a non-finite value in its row), or None to check every layer.
     """
 
     call: object
@@ -80,6 +82,7 @@ class NodeContext:
     route: object = None
     masks: dict = field(default_factory=dict)
     finished: bool = False
+    non_finite: object = None
 
     def ancestor_states(self, module) -> list[tuple[torch.Tensor, ...]]:
         """``module``'s prefix state of every source call, in the order of ``call.sources``."""

@@ -95,6 +95,8 @@ def _node_head_forward(proxy: HeadProxy, context, hidden_states, *args, **kwargs
     # any post-processing it applies. It is a view of the hidden states, so gradient reaching the model's output
     # flows on into the model (wrappers' backward hooks fire on the way), and DDP's unused-parameter search walks it.
     # Packed node tokens: a hidden state may predict several targets (a node's last token, one per child).
+    if context.non_finite is not None:
+        context.non_finite.record_hidden(hidden_states)  # an optimistic call's one finiteness check
     hidden = hidden_states.flatten(0, -2)[context.call.head_index]
     from ..kernels.fused_head import linear_logps
 
@@ -112,6 +114,7 @@ def _node_head_forward(proxy: HeadProxy, context, hidden_states, *args, **kwargs
         softcap=spec.softcap,
         return_entropy=context.settings.return_entropy,
         chunk_size=HEAD_CHUNK_ROWS,
+        ignore_index=None,  # every head pair is scored
         keep_logits_bytes=context.keep_logits_bytes,
         weight_grad=None if grads is None or not torch.is_grad_enabled() else grads.buffer(weight),
     )

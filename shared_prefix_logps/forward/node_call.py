@@ -10,7 +10,7 @@ head check's plain causal forward).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -37,15 +37,17 @@ class NodeCall:
     of a node, A_total = tokens of the ancestor store).
 
     Attributes:
-        nodes: (S,) int64 trie nodes of one depth, in depth-first order.
+        nodes: (S,) int64 trie nodes, in depth-first order: of one depth, or, for a layout that serves it, of several
+            (a node's ancestors in the call come before it, and it attends over them as over the store's).
         input_ids: (1, T) int64 packed tokens; positions: (1, T) int64 their positions in the rows.
-        pack_index: (S, Lmax) int64, index into the T packed tokens of each node's i-th token (0 past its end).
-        pack_valid: (S, Lmax) bool, True on real node tokens.
+        pack_index: the padded layouts: (S, Lmax) int64, index into the T packed tokens of each node's i-th token (0
+            past its end); pack_valid: (S, Lmax) bool, True on real node tokens.
         sources: earlier calls whose keys/values hold the ancestors, in the order their tokens are concatenated
             into the ancestor store.
         head_index: (p,) int64, the packed token of each pair this call scores; head_pairs: (p,) their pair ids;
             head_targets: (p,) their target ids.
         query_node / query_order: (T,) int64, each packed token's node and its index inside that node.
+        query_slot: (T,) int64, each packed token's node's index among ``nodes`` (its row in the padded layouts).
         ancestor_index: ``expand``: (S, A) int64, index into the ancestor store of each ancestor token (0 past the
             end; a node's ancestor tokens sit at positions 0 .. node start - 1); ancestor_valid: (S, A) bool.
         store_node / store_order / store_positions: (A_total,) int64, the node, index in the node and position of
@@ -55,27 +57,34 @@ class NodeCall:
         levels: ``flash``: a :class:`FlashLevel` per ancestor level, top level first.
         keeps_states: whether a later call attends over this one (some node has children): only then does the call
             record its layers' prefix states.
+        same_ancestors: every node has as many ancestor tokens (decided on the host when the call is planned, so no
+            layer reads it from the device).
+        host: the call as planned on the host, for a call moved to a device (:meth:`to`): what a layout builds once
+            per call from the structure (flex's block mask) is read there, without making the host wait.
     """
 
     nodes: torch.Tensor
     input_ids: torch.Tensor
     positions: torch.Tensor
-    pack_index: torch.Tensor
-    pack_valid: torch.Tensor
     sources: list[int]
     head_index: torch.Tensor
     head_pairs: torch.Tensor
     head_targets: torch.Tensor
     query_node: torch.Tensor
     query_order: torch.Tensor
+    query_slot: torch.Tensor
     store_node: torch.Tensor
     store_order: torch.Tensor
     store_positions: torch.Tensor
     node_end: torch.Tensor
+    pack_index: torch.Tensor | None = None
+    pack_valid: torch.Tensor | None = None
     ancestor_index: torch.Tensor | None = None
     ancestor_valid: torch.Tensor | None = None
     levels: tuple[FlashLevel, ...] | None = None
     keeps_states: bool = True
+    same_ancestors: bool = True
+    host: NodeCall | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -92,6 +101,7 @@ class NodeCall:
             tensors.update({f"level{i}.{f.name}": getattr(level, f.name) for f in fields(level)})
         moved = to_device(tensors, device)
         values = {f.name: moved.get(f.name, getattr(self, f.name)) for f in fields(self)}
+        values["host"] = self if self.input_ids.device.type == "cpu" else self.host
         if self.levels is not None:
             values["levels"] = tuple(
                 FlashLevel(*(moved[f"level{i}.{f.name}"] for f in fields(FlashLevel))) for i in range(len(self.levels))
@@ -155,6 +165,7 @@ def single_node_call(input_ids: torch.Tensor) -> NodeCall:
         head_targets=empty,
         query_node=torch.zeros_like(inner),
         query_order=inner,
+        query_slot=torch.zeros_like(inner),
         store_node=empty,
         store_order=empty,
         store_positions=empty,

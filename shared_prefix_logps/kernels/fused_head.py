@@ -296,7 +296,7 @@ def linear_logps(
     softcap: float | None = None,
     return_entropy: bool = False,
     chunk_size: int | None = None,
-    ignore_index: int = -100,
+    ignore_index: int | None = -100,
     implementation: str = "auto",
     backend: str | None = None,
     keep_logits_bytes: int = 0,
@@ -316,7 +316,8 @@ def linear_logps(
         chunk_size: rows per chunk; None picks it so one chunk's buffers (:func:`chunk_logit_bytes` per logit:
             the logits in the matmul dtype, 8 bytes with a softcap) take about 256 MiB on CPU, an eighth of the
             memory available to an allocation on CUDA (see :func:`default_chunk_size`).
-        ignore_index: target value of rows to skip.
+        ignore_index: target value of rows to skip; None: every row is scored (no search for skipped rows, which
+            reads the device from the host).
         implementation: per-chunk statistics by ``"triton"`` kernels, ``"torch"``, or ``"auto"`` (Triton on CUDA
             where its kernels can launch, see ``launch_probe``, or on CPU under ``TRITON_INTERPRET=1``).
         backend: deprecated name of ``implementation``.
@@ -345,8 +346,10 @@ def linear_logps(
     resolve_implementation(implementation, hidden, weight)  # fail early on an impossible forced implementation
 
     n = flat_targets.shape[0]
-    keep = (flat_targets != ignore_index).nonzero().squeeze(1)
-    compact = keep.shape[0] != n
+    compact = False
+    if ignore_index is not None:
+        keep = (flat_targets != ignore_index).nonzero().squeeze(1)
+        compact = keep.shape[0] != n
     if compact:
         hidden_2d = hidden_2d.index_select(0, keep)
         flat_targets = flat_targets.index_select(0, keep)

@@ -208,12 +208,13 @@ def test_flash_refuses_dropout(flash_reference_kernels):
         compute_logps(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, backend="flash")
 
 
-def test_window_cutting_into_the_prefix_goes_to_flex_or_is_refused(flash_reference_kernels, monkeypatch):
+def test_window_cutting_into_the_prefix_goes_to_flex(flash_reference_kernels, monkeypatch):
+    """A window that hides ancestors' keys goes to flex, with gradients too (on CPU through its materialized mask)."""
     model = build_model("mistral")  # window 6 < the rows' positions
     prompts, pmask, comps, cmask = make_batch(3, 2, prompt_len=11, completion_len=7, seed=2)
     kwargs = dict(prompt_mask=pmask, completion_mask=cmask)
-    with pytest.raises(ValueError, match="sliding window of 6 hides keys of the ancestors.*no backward on cpu"):
-        compute_logps(model, prompts, comps, backend="flash", **kwargs)
+    errors = compare_with_dense(model, prompts, comps, backend="flash", **kwargs)
+    assert max(errors) <= 1e-4, errors
     calls = Calls(monkeypatch)
     with torch.no_grad():
         out = compute_logps(model, prompts, comps, backend="flash", **kwargs)
@@ -232,14 +233,15 @@ def test_window_longer_than_every_row_stays_on_flash(flash_reference_kernels, mo
     assert "node_attention" not in calls.counts
 
 
-def test_unsupported_head_dim_goes_to_flex_or_is_refused(monkeypatch):
+def test_unsupported_head_dim_goes_to_flex(monkeypatch):
+    """Head dimensions the kernels do not take go to flex, with gradients too (on CPU through its materialized mask)."""
     model = build_model("llama")  # head_dim 8
     prompts, pmask, comps, cmask = make_batch(2, 3, prompt_len=7, completion_len=4, seed=5)
     kwargs = dict(prompt_mask=pmask, completion_mask=cmask)
     narrow = dataclasses.replace(REFERENCE, max_head_dim=4)
     with substituted(narrow):
-        with pytest.raises(ValueError, match="head dimensions up to 4, not 8.*use backend='expand'"):
-            compute_logps(model, prompts, comps, backend="flash", **kwargs)
+        errors = compare_with_dense(model, prompts, comps, backend="flash", **kwargs)
+        assert max(errors) <= 1e-4, errors
         calls = Calls(monkeypatch)
         with torch.no_grad():
             out = compute_logps(model, prompts, comps, backend="flash", **kwargs)

@@ -1,12 +1,13 @@
-"""The flex layout (packed, forward-only on CPU) against dense: grouped batches and trees."""
+"""The flex layout (packed; eager flex_attention without gradients on CPU, its mask through SDPA with them) against
+dense: grouped batches and trees."""
 
 import pytest
 import torch
-from support.exactness import max_relative_grad_error
+from support.exactness import compare_with_dense, max_relative_grad_error
 from support.tiny_models import FAMILIES, build_model, make_batch
 from support.trees import pad_rows, random_tree_rows
 
-from shared_prefix_logps import chunked_backward_tree, compute_logps, compute_logps_tree
+from shared_prefix_logps import chunked_backward, chunked_backward_tree, compute_logps, compute_logps_tree
 
 # Eager flex_attention on CPU warns that it is unfused; that is expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -26,16 +27,56 @@ def test_flex_forward_matches_dense(family, generations):
     assert (flex.logps[~cmask] == 0).all()
 
 
-def test_flex_backward_on_cpu_is_refused():
-    model = build_model("llama")
-    prompts, pmask, comps, cmask = make_batch(2, 2, prompt_len=5, completion_len=3)
-    with pytest.raises(ValueError, match="no backward on CPU"):
-        compute_logps(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, backend="flex")
-    ids, mask, score = pad_rows(random_tree_rows(1, depth=2, branching=2), 1)
-    with pytest.raises(ValueError, match="no backward on CPU"):
-        compute_logps_tree(model, ids, mask, score, backend="flex")
-    with pytest.raises(ValueError, match="no backward on CPU"):
-        chunked_backward_tree(model, ids, mask, score, lambda out, rows: out.logps.sum(), backend="flex")
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen2"])
+def test_flex_training_on_cpu_runs_its_mask_through_sdpa(family, monkeypatch):
+    """Where torch's flex_attention has no backward (CPU), training through ``flex`` runs the same visibility as one
+    materialized mask per call through SDPA (explicit scores for Gemma-2's softcap): log-probs, entropies and every
+    parameter's gradient equal the dense path's, for grouped batches, trees of depth 3 and the chunked backwards."""
+    from shared_prefix_logps.backends import flex as flex_layout
+
+    built = []
+    original = flex_layout.dense_node_mask
+    monkeypatch.setattr(flex_layout, "dense_node_mask", lambda *a: built.append(1) or original(*a))
+    model = build_model(family)
+    prompts, pmask, comps, cmask = make_batch(2, 3, prompt_len=9, completion_len=6, seed=3)
+    batch = dict(prompt_mask=pmask, completion_mask=cmask)
+    ours = compare_with_dense(model, prompts, comps, temperature=0.8, return_entropy=True, backend="flex", **batch)
+    assert built and ours[0] < 1e-5 and ours[1] < 1e-5 and ours[2] < 1e-4, ours
+
+    ids, mask, score = pad_rows(random_tree_rows(2, depth=3, branching=3), 2)
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(out, rows):
+        return (out.logps * weights[rows]).sum()
+
+    def grads():
+        found = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return found
+
+    every = torch.arange(ids.shape[0])
+    loss_fn(compute_logps_tree(model, ids, mask, score, backend="dense"), every).backward()
+    reference = grads()
+    loss_fn(compute_logps_tree(model, ids, mask, score, backend="flex"), every).backward()
+    assert max_relative_grad_error(grads(), reference) < 1e-4
+    chunked_backward_tree(model, ids, mask, score, loss_fn, rows_per_chunk=2, backend="flex")
+    assert max_relative_grad_error(grads(), reference) < 1e-4
+
+    rows_weights = torch.randn(comps.shape, generator=torch.Generator().manual_seed(2))
+    dense = compute_logps(model, prompts, comps, backend="dense", **batch)
+    (dense.logps * rows_weights).sum().backward()
+    reference = grads()
+    for per_chunk in (1, 3):
+        chunked_backward(
+            model,
+            prompts,
+            comps,
+            lambda out, rows: (out.logps * rows_weights[rows]).sum(),
+            generations_per_chunk=per_chunk,
+            backend="flex",
+            **batch,
+        )
+        assert max_relative_grad_error(grads(), reference) < 1e-4
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe"])

@@ -283,3 +283,43 @@ def test_head_and_embedding_gradients_are_added_into_one_buffer_each(family, mon
     assert max_relative_grad_error(grads, expected) <= 1e-5
     # Sharded or engine-managed parameters take autograd's own way.
     assert weight_grads.weight_grads(prepare_model(model), FSDP1Backward(model, torch.device("cpu"))) is None
+
+
+def test_auto_chunking_takes_the_fewest_chunks_that_fit(monkeypatch):
+    """``generations_per_chunk="auto"`` (the default): one chunk when the prompts' and every completion's tokens fit
+    the token budget (with flex then one model call for the whole step), the most generations that fit otherwise;
+    gradients exact either way."""
+    from shared_prefix_logps.engine import walk
+    from shared_prefix_logps.inputs import group_batch
+    from shared_prefix_logps.model import prepare_model
+    from shared_prefix_logps.training import auto_generations_per_chunk
+
+    model = build_model("llama")
+    prompts, pmask, comps, cmask = make_batch(2, 4, prompt_len=9, completion_len=6, seed=3)
+    batch = group_batch(prompts, comps, pmask, cmask, model=prepare_model(model))
+    tokens = int(pmask.sum()) + int(cmask.sum())
+    assert auto_generations_per_chunk(batch, 4, tokens) == 4
+    assert auto_generations_per_chunk(batch, 4, tokens - 1) < 4
+    assert auto_generations_per_chunk(batch, 4, 1) == 1
+    w = torch.randn(comps.shape, generator=torch.Generator().manual_seed(2))
+
+    def loss_fn(out, rows):
+        return (out.logps * w[rows]).sum()
+
+    dense = compute_logps(model, prompts, comps, prompt_mask=pmask, completion_mask=cmask, backend="dense")
+    expected = parameter_grads(model, loss_fn(dense, torch.arange(comps.shape[0])))
+    calls = []
+    original = walk.forward_call
+    monkeypatch.setattr(walk, "forward_call", lambda *a, **k: calls.append(1) or original(*a, **k))
+    for budget, backend, expected_calls in ((None, "flex", 1), (None, "expand", 2), (tokens - 1, "expand", 3)):
+        model.zero_grad(set_to_none=True)
+        calls.clear()
+        kwargs = dict(prompt_mask=pmask, completion_mask=cmask, token_budget=budget, backend=backend)
+        chunked_backward(model, prompts, comps, loss_fn, **kwargs)
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        assert max_relative_grad_error(grads, expected) <= 1e-4, (budget, backend)
+        assert len(calls) == expected_calls, (budget, backend, len(calls))
+    with pytest.raises(ValueError, match="generations_per_chunk must be an int in \\[1, G=4\\] or 'auto'"):
+        chunked_backward(model, prompts, comps, loss_fn, generations_per_chunk="all")
+    with pytest.raises(ValueError, match="token_budget sizes the chunks of generations_per_chunk='auto'"):
+        chunked_backward(model, prompts, comps, loss_fn, generations_per_chunk=2, token_budget=10)

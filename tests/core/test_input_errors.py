@@ -300,7 +300,6 @@ def test_bad_tree_rows(model, change, error, pattern):
 @pytest.mark.parametrize(
     "kwargs,pattern",
     [
-        (dict(backend="flex"), "no backward on CPU"),
         (dict(backend="nope"), "backend must be one of"),
         (dict(temperature=0.0), "temperature must be positive"),
     ],

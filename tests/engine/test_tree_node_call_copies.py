@@ -38,7 +38,7 @@ def _calls():
 def test_a_node_call_reaches_the_device_in_one_copy():
     for call in _calls():
         tensors = [name for name in call.__dataclass_fields__ if isinstance(getattr(call, name), torch.Tensor)]
-        assert len(tensors) == 16  # the expand layout's: packing, ancestors, head pairs, the store's structure
+        assert len(tensors) == 17  # the expand layout's: packing, ancestors, head pairs, the store's structure, slots
         with HostToDeviceCopies() as copies:
             moved = call.to(torch.device("meta"))
         assert copies.count == 1

@@ -166,7 +166,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default: {with_cuda['completion_len'][0]} with CUDA, {without['completion_len'][0]} without)",
     )
     parser.add_argument(
-        "--generations", type=int, nargs="+", default=[8], help="G, completions per prompt; several values sweep"
+        "--generations",
+        type=int,
+        nargs="+",
+        default=None,
+        help="G, completions per prompt; several values sweep (default: 8; with --count-kernels: the scoring step's "
+        "G then the training step's, default 16 4)",
     )
     parser.add_argument(
         "--methods",
@@ -211,6 +216,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(repeatable; default: the preset's own shapes)",
     )
     parser.add_argument(
+        "--count-kernels",
+        action="store_true",
+        help="instead of timing, count on CPU what each method's step would cost a GPU's host (kernel launches, host "
+        "syncs by call site, gradient additions) on the preset's structure with narrow widths "
+        "(bench/kernel_count.py)",
+    )
+    parser.add_argument(
         "--dense-tokens",
         type=int,
         default=8192,
@@ -222,7 +234,13 @@ def run(args: argparse.Namespace) -> int:
     """Run ``shared-prefix-logps bench`` with the parsed ``args``; the exit code."""
     from .run_info import fill_cuda_defaults
 
+    if args.count_kernels:
+        from .kernel_count import run_count
+
+        return run_count(args)
     fill_cuda_defaults(args, BENCH_CUDA_DEFAULTS)
+    if args.generations is None:
+        args.generations = [8]
     if args.tree_workload:
         from .tree_runner import run_tree_bench
 

@@ -26,7 +26,8 @@ Stages, in order of evidence (docs/benchmarks.md has the table with estimated H1
 - S2 score speed at Qwen2.5-1.5B dims, P=4096, C=512, G=16, bf16: dense, kv_expand, expand, flex and, where
   installed, trl, liger and prefix_grouper, with log-prob agreement beside the time.
 - S3 peak memory against ``plan`` at P=16k, G=64, C=1k (no-grad and ``chunked_backward``).
-- S4 train speed at the S2 shape with G=4 (where dense training fits): dense, flex, chunked.
+- S4 train speed at the S2 shape with G=4 (where dense training fits), then G=16 where memory allows: dense, expand,
+  flex, chunked; each profiled step also reports its kernel launches and host syncs.
 - S6 hybrids: a tiny Qwen3.5's prompts forwarded once and their children continuing from the forked recurrent states
   and keys/values, against full rows (log-probs and gradients), on the kernels transformers selects on the device;
   then the entry points (``compute_logps`` score and train, ``chunked_backward``) on it against the dense path.
@@ -54,10 +55,10 @@ STAGES = ("S0", "S1", "S2", "S3", "S4", "S6", "S5")
 #: Estimated seconds of each stage, cold (no compile cache), and the most a stage may take on CUDA so later stages
 #: keep their share of the deadline. CPU figures are the dry run's on a loaded 2-core machine.
 ESTIMATE_S = {
-    "cuda": {"S0": 40, "S1": 130, "S2": 80, "S3": 60, "S4": 90, "S6": 110, "S5": 25},
+    "cuda": {"S0": 40, "S1": 130, "S2": 80, "S3": 60, "S4": 150, "S6": 110, "S5": 25},
     "cpu": {"S0": 8, "S1": 20, "S2": 8, "S3": 8, "S4": 8, "S6": 14, "S5": 2},
 }
-CAP_S = {"S0": 60, "S1": 200, "S2": 120, "S3": 90, "S4": 120, "S6": 150, "S5": 30}
+CAP_S = {"S0": 60, "S1": 200, "S2": 120, "S3": 90, "S4": 200, "S6": 150, "S5": 30}
 #: Seconds kept back for S5 (the cache archive) whatever the other stages do.
 S5_RESERVE_S = 8
 #: Seconds a stage may run past the end of its share before the driver stops it.
@@ -645,9 +646,14 @@ def _hybrid_forking(device):
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _speed_cell(checks: Checks, device, *, workload: str, generations: int, methods: list[str], estimate_s: float):
+def _speed_cell(
+    checks: Checks, device, *, workload: str, generations: int, methods: list[str], estimate_s: float, label=None
+):
+    """The timed cell of ``methods`` on ``workload`` at G=``generations``; its checks are named ``label`` (default:
+    the workload) and what they are."""
     import torch
 
+    label = label or workload
     from shared_prefix_logps.bench.methods import METHODS, method_unavailable
     from shared_prefix_logps.bench.presets import build_preset
     from shared_prefix_logps.bench.runner import Shape, make_batch, run_cell
@@ -662,7 +668,7 @@ def _speed_cell(checks: Checks, device, *, workload: str, generations: int, meth
     runnable = [m for m in methods if method_unavailable(m, device, train) is None]
     for method in methods:
         if method not in runnable:
-            checks.recorder.record(f"{workload} {method}", "skipped", reason=method_unavailable(method, device, train))
+            checks.recorder.record(f"{label} {method}", "skipped", reason=method_unavailable(method, device, train))
     if "flex" in runnable:
         # Compile flex apart, so a compilation that cannot finish costs this line, not the timed cell.
         batch = make_batch(shape, model.config.vocab_size, device)
@@ -674,7 +680,7 @@ def _speed_cell(checks: Checks, device, *, workload: str, generations: int, meth
             model.zero_grad(set_to_none=True)
             return {"first_call_s": round(time.time() - start, 1)}
 
-        warm = checks.run(f"{workload} flex warm-up (compilation)", 30 if cuda else 2, warm_flex)
+        warm = checks.run(f"{label} flex warm-up (compilation)", 30 if cuda else 2, warm_flex)
         if warm["status"] != "ok":
             runnable.remove("flex")
 
@@ -697,11 +703,11 @@ def _speed_cell(checks: Checks, device, *, workload: str, generations: int, meth
         figures["token_floor"] = records[0]["token_floor"]
         return ok, figures
 
-    checks.run(f"{workload} speed cell", estimate_s, cell)
+    checks.run(f"{label} speed cell", estimate_s, cell)
     if cuda:
         batch = make_batch(shape, model.config.vocab_size, device)
         for method in [m for m in runnable if m in PROFILED]:
-            checks.run(f"{workload} {method} profile", 8, _profile_step, METHODS[method][0], model, batch, train)
+            checks.run(f"{label} {method} profile", 8, _profile_step, METHODS[method][0], model, batch, train)
             model.zero_grad(set_to_none=True)
 
 
@@ -709,9 +715,29 @@ def _speed_cell(checks: Checks, device, *, workload: str, generations: int, meth
 PROFILED = ("dense", "expand", "flex", "chunked")
 
 
+def _host_syncs(step, model, batch, train) -> int:
+    """The host syncs of one step: CUDA's sync debug mode warns at every operation that makes the host wait for the
+    device, counted here (what ``bench --count-kernels`` counts on CPU)."""
+    import warnings
+
+    import torch
+
+    device = next(model.parameters()).device
+    _sync(device)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step(model, batch, train)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    model.zero_grad(set_to_none=True)
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
 def _profile_step(step, model, batch, train, top: int = 8) -> dict:
     """One step under torch.profiler: its wall time, the CUDA time its kernels took (a wall time far above it means
-    the host is the bottleneck) and its most expensive kernels."""
+    the host is the bottleneck), its kernel launches, its most expensive kernels, and (another step) its host syncs."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -728,10 +754,12 @@ def _profile_step(step, model, batch, train, top: int = 8) -> dict:
     attribute = "device_time_total" if events and hasattr(events[0], "device_time_total") else "cuda_time_total"
     kernels = sorted(events, key=lambda e: getattr(e, attribute), reverse=True)
     cuda_ms = sum(getattr(e, attribute) for e in kernels) / 1e3
+    model.zero_grad(set_to_none=True)
     return {
         "wall_ms": round(wall_ms, 1),
         "kernel_ms": round(cuda_ms, 1),
         "kernel_launches": int(sum(e.count for e in kernels)),
+        "host_syncs": _host_syncs(step, model, batch, train),
         "top_kernels": [f"{getattr(e, attribute) / 1e3:.1f} ms x{e.count} {e.key[:90]}" for e in kernels[:top]],
     }
 
@@ -742,7 +770,10 @@ def stage_s2(checks: Checks, device) -> None:
 
 
 def stage_s4(checks: Checks, device) -> None:
-    _speed_cell(checks, device, workload="train", generations=4, methods=["dense", "flex", "chunked"], estimate_s=40)
+    methods = ["dense", "expand", "flex", "chunked"]
+    _speed_cell(checks, device, workload="train", generations=4, methods=methods, estimate_s=50)
+    # G=16 where memory allows (dense's rows may not fit: its record then says OOM), last, so a deadline cuts it first.
+    _speed_cell(checks, device, workload="train", generations=16, methods=methods, estimate_s=60, label="train G=16")
 
 
 #: How far S3's measured peaks may be from ``plan``'s prediction (|planned / measured - 1|), as the plan's tests allow.

@@ -55,13 +55,13 @@ def _score(prepared, plan: Plan, layout, temperature, return_entropy, token_budg
             rows = rows[plan.score_mask.sum(1).cpu()[rows] > 0]
         costs = NodeCosts.of(prepared.causal_lm, prepared.device, layout)
         plan = plan.ordered(budgeted_chunks(plan.trie, rows, token_budget or DEFAULT_TOKEN_BUDGET, costs))
-    padding = None
-    if grad and lockstep is not None:
-        padding = agreed_depth_padding(lockstep, prepared, int(plan.trie.depth.max()) if plan.trie.num_nodes else 0)
     top_k = None if router is None else router[1]
     walk = Walk(
         prepared, plan, layout=layout, temperature=temperature, return_entropy=return_entropy, router_top_k=top_k
     )
+    padding = None
+    if grad and lockstep is not None:
+        padding = agreed_depth_padding(lockstep, prepared, walk.forwards_in_one_chunk())
     routed = []
     for chunk in plan.chunks:
         out = walk.forward_rows(chunk)

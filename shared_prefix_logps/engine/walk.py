@@ -136,6 +136,13 @@ class Walk:
         # (output, what the chunks use) of the one-token forward standing in for node calls when every row is empty.
         self.placeholder: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def forwards_in_one_chunk(self) -> int:
+        """The model forwards :meth:`forward_rows` makes for all of the plan's rows at once with gradients: one node
+        call per trie depth (every node lies on some row's path), or, when every row is empty, the one-token
+        placeholder (:meth:`_forward_placeholder`). Processes agree on this count before they forward."""
+        trie = self.plan.trie
+        return int(trie.depth.max()) if trie.num_nodes else 1
+
     def forward_rows(self, rows: torch.Tensor) -> LogpsOutput:
         """Forward the nodes ``rows`` need that are not forwarded yet; the rows' (len(rows), width) output,
         differentiable (through the calls' leaves with ``leaves``)."""

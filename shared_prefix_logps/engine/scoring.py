@@ -57,7 +57,13 @@ def _score(prepared, plan: Plan, layout, temperature, return_entropy, token_budg
         plan = plan.ordered(budgeted_chunks(plan.trie, rows, token_budget or DEFAULT_TOKEN_BUDGET, costs))
     top_k = None if router is None else router[1]
     walk = Walk(
-        prepared, plan, layout=layout, temperature=temperature, return_entropy=return_entropy, router_top_k=top_k
+        prepared,
+        plan,
+        layout=layout,
+        temperature=temperature,
+        return_entropy=return_entropy,
+        router_top_k=top_k,
+        in_step=lockstep is not None,
     )
     padding = None
     if grad and lockstep is not None:

@@ -97,6 +97,9 @@ class Walk:
             runs before each call's forward.
         weight_grads: the entry point's head/embedding weight-gradient buffers (``weight_grads.py``), or None.
         keep_logits_bytes: the fused head keeps each call's logits for its backward up to this size (0: none).
+        in_step: the model calls are kept in step with other processes (implied by ``agreement``): with gradients,
+            every call's head results join the output of the chunk that forwarded it, also where they are empty
+            (see :meth:`forward_rows`).
     """
 
     def __init__(
@@ -113,11 +116,13 @@ class Walk:
         agreement=None,
         weight_grads=None,
         keep_logits_bytes: int = 0,
+        in_step: bool = False,
     ):
         self.prepared, self.plan, self.layout = prepared, plan, layout
         self.temperature, self.return_entropy, self.router_top_k = temperature, return_entropy, router_top_k
         self.leaves, self.backward, self.agreement = leaves, backward, agreement
         self.weight_grads, self.keep_logits_bytes = weight_grads, keep_logits_bytes
+        self.in_step = in_step or agreement is not None
         trie = plan.trie
         self.planner = CallPlanner(trie, plan.pairs, layout)
         path = trie.row_path
@@ -150,6 +155,7 @@ class Walk:
         nodes = trie.row_path[rows].reshape(-1)
         nodes = torch.unique(nodes[nodes >= 0])
         new = nodes[self.node_call[nodes] < 0]
+        first_new_call = self.planner.num_calls
         depth = trie.depth[new]
         for level in torch.unique(depth).tolist():
             self._forward(new[depth == level])
@@ -185,6 +191,20 @@ class Walk:
                 used.append(self.placeholder[1])
             if used:
                 anchor = torch.stack([t.sum() * 0.0 for t in used]).sum()
+                logps = logps + anchor
+                entropy = None if entropy is None else entropy + anchor
+        if torch.is_grad_enabled() and self.in_step:
+            # Processes in step must back-propagate every forward and reach the same parameters from each: FSDP2
+            # gathers and reduces once per forward graph a backward reaches, and reduces only the gradients that graph
+            # produced, so one process's collective would pair with another's next one (a hang). A call's backward
+            # reaches every parameter through the zero that enters the model's output, but the head's weight only
+            # through the call's head results, which no row reads where the call has no scored pair: a shared system
+            # prompt's call (its weight then got no gradient), a call of unscored leaves (its graph got no gradient at
+            # all). Their empty sum (exactly zero, connected to the head's weight) joins the chunk's output.
+            empty = [self.calls[call].result(0) for call in range(first_new_call, self.planner.num_calls)]
+            empty = [result.sum() for result in empty if result.numel() == 0 and result.requires_grad]
+            if empty:
+                anchor = torch.stack(empty).sum()
                 logps = logps + anchor
                 entropy = None if entropy is None else entropy + anchor
         return LogpsOutput(logps, entropy, score)

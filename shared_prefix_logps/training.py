@@ -28,6 +28,7 @@ from .engine.weight_grads import weight_grads
 from .inputs import as_int, check_options, check_tree_rows, group_batch
 from .kernels.fused_head import keep_logits_bytes
 from .model import prepare_model
+from .model.dropout import warn_if_dropout_shared
 from .moe_router import RouterStats, router_spec
 from .output import LogpsOutput, result_zeros
 
@@ -53,6 +54,9 @@ def chunked_backward(
     as if one graph over all completions had been backpropagated, while only one chunk's activations were alive.
     That holds when no completion token is valid too: every parameter the forward uses then gets a zero ``.grad``
     (not None), so optimizers that step on zero gradients (Adam's momentum) step as they would on the one graph.
+    With dropout active (the model in training mode), a prompt's dropout draw is shared by all its completions, in
+    every chunk, where full rows draw one per row: the call runs and warns as
+    :func:`~shared_prefix_logps.compute_logps` does (:class:`~shared_prefix_logps.SharedDropoutWarning`).
 
     Args:
         model, prompts, completions, prompt_mask, completion_mask, temperature, return_entropy, backend:
@@ -125,6 +129,7 @@ def chunked_backward(
         batch, deeper=deeper, merge_below=merge.MERGE_BELOW_SAVED_TOKENS, one_token_forks=one_token_forks(prepared)
     )
     plan = plan.ordered(generation_chunks(num_prompts, generations, generations_per_chunk))
+    warn_if_dropout_shared(model, "chunked_backward")
     return train_plan(prepared, plan, loss_fn, driver, steps, layout, float(temperature), return_entropy, router)
 
 
@@ -144,6 +149,9 @@ def chunked_backward_tree(
 ) -> LogpsOutput:
     """Run forward and backward of ``loss_fn`` over chunks of rows of a prefix tree; parameters' ``.grad``
     accumulate the gradient of ``sum(loss_fn(chunk) for chunk)``, as one graph over all rows would give.
+
+    With dropout active, a node's dropout draw is shared by every row through it, and the call warns as
+    :func:`~shared_prefix_logps.compute_logps` does (:class:`~shared_prefix_logps.SharedDropoutWarning`).
 
     Args:
         model, input_ids, attention_mask, score_mask, temperature, return_entropy, merge_tiny_nodes: as for
@@ -185,6 +193,7 @@ def chunked_backward_tree(
     rows = check_tree_rows(input_ids, attention_mask, score_mask, model=prepared)
     plan = rows_plan(rows, merge_below, one_token_forks=one_token_forks(prepared)).in_chunks_of(rows_per_chunk)
     steps = call_lockstep(model, lockstep, prepared.device)
+    warn_if_dropout_shared(model, "chunked_backward_tree")
     return train_plan(prepared, plan, loss_fn, driver, steps, layout, float(temperature), return_entropy, None)
 
 

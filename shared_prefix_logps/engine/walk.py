@@ -302,5 +302,11 @@ class Walk:
             if output.requires_grad and leaf.grad is not None:
                 tensors.append(output)
                 grads.append(leaf.grad)
+        head, head_leaf = live.outputs[live.slots[0]], live.used[live.slots[0]]
+        if self.agreement is not None and tensors and head.requires_grad and head_leaf.grad is None:
+            # In step, every backward reaches the head's weight (see forward_rows), also where the loss of the chunk
+            # whose output the head results joined was skipped (a loss without grad for a chunk without a valid token).
+            tensors.append(head)
+            grads.append(torch.zeros_like(head))
         if tensors or self.agreement is not None:  # an agreed backward pairs with the other processes' even if empty
             self.backward(tensors, grads)

@@ -1,8 +1,8 @@
 """Two-process gloo runs over pairs of shapes, one per process, drawn at random (seeded) among the shapes whose model
 calls differ in number: an empty process, one row, duplicates of one row, flat, chained and deep tries, a deepest node
 without a scored token, different G and ``generations_per_chunk``, prompts sharing a system prompt (the automatic trie
-pass) on one process or both, one-token prompts, all completions masked. Every process runs each entry point on its
-shape of the pair:
+pass) on one process or both, one-token prompts, all completions masked, a first chunk without a valid token (its loss
+a constant without grad, or not). Every process runs each entry point on its shape of the pair:
 
 - tree shapes: ``compute_logps_tree`` without gradients (its own token budget), with gradients and the backward of
   its loss, and ``chunked_backward_tree`` (its own ``rows_per_chunk``, its own tiny-node rule);
@@ -16,9 +16,9 @@ first pairs.
 
 The first pairs are the shapes that hung or aborted before (an empty process beside a one-level trie in grad-enabled
 scoring; a trie of three depths beside one of two whose deeper call has no scored pair; ``chunked_backward`` with a
-shared system prompt and different numbers of chunks, or the system prompt on one process only), the rest are drawn
-from the seed. ``SPL_SHAPE_PAIRS_SEED`` and ``SPL_SHAPE_PAIRS`` (random pairs per engine) change the draw, to explore
-more.
+shared system prompt and different numbers of chunks, or the system prompt on one process only, or a first chunk
+without a valid token whose loss is skipped); the rest are drawn from the seed. ``SPL_SHAPE_PAIRS_SEED`` and
+``SPL_SHAPE_PAIRS`` (random pairs per engine) change the draw, to explore more.
 """
 
 from __future__ import annotations
@@ -76,6 +76,8 @@ def _grouped_shape(kind: str, rng: random.Random) -> dict:
         generations=generations,
         per_chunk=rng.randint(1, generations),
         budget=rng.choice([None, 16]),
+        mask_first=rng.random() < 0.25,
+        skip_empty=rng.random() < 0.5,
     )
 
 
@@ -100,6 +102,12 @@ def _pairs(seed: int, count: int) -> list[tuple[str, dict, dict]]:
         ("grouped", grouped("system", generations=2, per_chunk=1), grouped("system", generations=2, per_chunk=2)),
         # The automatic trie pass on one process only.
         ("grouped", grouped("system", generations=3, per_chunk=1), grouped("plain")),
+        # A shared system prompt whose first chunk has no valid token, its loss skipped (a constant without grad).
+        (
+            "grouped",
+            grouped("system", generations=2, per_chunk=1, mask_first=True, skip_empty=True),
+            grouped("system", generations=2, per_chunk=1, mask_first=False),
+        ),
     ]
     for _ in range(count):
         if rng.random() < 0.5:
@@ -166,6 +174,10 @@ def _grouped_batch(shape: dict):
         comp_lengths[1] = 0
     if kind == "masked":
         comp_lengths.zero_()
+    if shape[
+        "mask_first"
+    ]:  # generation 0 of every prompt empty: with one generation per chunk, a chunk without a token
+        comp_lengths[0::generations] = 0
     completions = torch.randint(0, VOCAB, (rows, completion_len), generator=gen)
     completion_mask = torch.arange(completion_len)[None, :] < comp_lengths[:, None]
     return (
@@ -176,13 +188,16 @@ def _grouped_batch(shape: dict):
     )
 
 
-def _loss_fn(shape: tuple, seed: int):
+def _loss_fn(shape: tuple, seed: int, skip_empty: bool = False):
     """``loss(out, rows=None)``: log-probs and entropies weighted per row and position (``rows``: a chunk's), so that
-    a gradient routed to the wrong token or row shows."""
+    a gradient routed to the wrong token or row shows. With ``skip_empty`` a chunk without a valid token gets a
+    constant without grad (the chunked backwards then skip its backward; the sum of the losses is the same)."""
     gen = torch.Generator().manual_seed(seed)
     w_logps, w_entropy = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
 
     def loss(out, rows=None):
+        if skip_empty and rows is not None and not out.mask.any():
+            return torch.zeros(())
         a, b = (w_logps, w_entropy) if rows is None else (w_logps[rows], w_entropy[rows])
         return (out.logps * a).sum() + (out.entropy * b).sum()
 
@@ -217,7 +232,7 @@ def _calls(entry: str, shape: dict, backward=torch.Tensor.backward):
 
         return [score_call, grad_call, chunked_call]
     prompts, pmask, comps, cmask = _grouped_batch(shape)
-    loss = _loss_fn(comps.shape, shape["seed"])
+    loss = _loss_fn(comps.shape, shape["seed"], shape["skip_empty"])
     common = dict(prompt_mask=pmask, completion_mask=cmask, return_entropy=True)
 
     def score_call(model, dense):
@@ -338,7 +353,9 @@ def _run_and_check(engine: str, pairs, timeout_s: float) -> None:
     )
     # The regression pairs are what they say: chunked_backward took the system prompt's trie on both processes,
     # then on rank 0 only.
-    assert deeper[3, "chunked_backward"] == deeper[4, "chunked_backward"] == (True, True)
+    assert (
+        deeper[3, "chunked_backward"] == deeper[4, "chunked_backward"] == deeper[6, "chunked_backward"] == (True, True)
+    )
     assert deeper[5, "chunked_backward"] == (True, False)
 
 

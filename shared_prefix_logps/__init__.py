@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 __all__ = [
     "LogpsOutput",
+    "SharedDropoutWarning",
     "UnsupportedModelError",
     "chunked_backward",
     "chunked_backward_tree",
@@ -24,6 +25,7 @@ __version__ = "0.1.0"
 #: Public name -> the module that defines it.
 _SOURCES = {
     "LogpsOutput": ".output",
+    "SharedDropoutWarning": ".errors",
     "UnsupportedModelError": ".errors",
     "chunked_backward": ".training",
     "chunked_backward_tree": ".training",
@@ -34,7 +36,7 @@ _SOURCES = {
 
 if TYPE_CHECKING:
     from .api import compute_logps, compute_logps_concatenated, compute_logps_tree
-    from .errors import UnsupportedModelError
+    from .errors import SharedDropoutWarning, UnsupportedModelError
     from .output import LogpsOutput
     from .training import chunked_backward, chunked_backward_tree
 

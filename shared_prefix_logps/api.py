@@ -17,6 +17,7 @@ from .engine.sharing import grouped_rows
 from .forward.context import CallSettings
 from .inputs import GroupedBatch, check_options, check_tree_rows, group_batch, split_concatenated
 from .model import prepare_model
+from .model.dropout import warn_if_dropout_shared
 from .moe_router import router_spec
 from .output import LogpsOutput
 
@@ -39,6 +40,11 @@ def compute_logps(
 
     The numbers equal those of the conventional forward of every ``[prompt | completion]`` row (the ``dense``
     backend); gradients flow into the prompt through the keys/values its completions share.
+
+    With dropout active (the model in training mode with dropout, attention dropout or MoE router jitter), a prompt
+    is forwarded once, so its dropout draw is shared by its G completions where full rows draw one per row: the call
+    runs and warns with :class:`~shared_prefix_logps.SharedDropoutWarning`. Call ``model.eval()`` (or set the dropout
+    to 0) for the dense path's numbers; ``backend="dense"`` draws per row and does not warn.
 
     Args:
         model: a transformers decoder-only causal LM of a supported family (docs/models.md), optionally
@@ -81,6 +87,8 @@ def compute_logps(
     temperature, token_budget = check_options(temperature, backend, token_budget)
     prepared = prepare_model(model)
     batch = group_batch(prompts, completions, prompt_mask, completion_mask, model=prepared)
+    if backend != "dense":
+        warn_if_dropout_shared(model, "compute_logps")
     return score_grouped(
         model, prepared, batch, temperature, return_entropy, backend, token_budget, return_router_stats, lockstep
     )
@@ -101,7 +109,9 @@ def compute_logps_concatenated(
 ) -> LogpsOutput:
     """The trainer-shaped entry: rows ``[left-padded prompt | right-padded completion]`` as TRL builds them.
 
-    Rows whose prompt part is identical (ids and mask) share one prefix, whatever their order in the batch.
+    Rows whose prompt part is identical (ids and mask) share one prefix, whatever their order in the batch; with
+    dropout active they share its dropout draw too, and the call warns as :func:`compute_logps` does
+    (:class:`~shared_prefix_logps.SharedDropoutWarning`).
 
     Args:
         model: as for :func:`compute_logps`.
@@ -118,6 +128,8 @@ def compute_logps_concatenated(
     temperature, token_budget = check_options(temperature, backend, token_budget)
     prepared = prepare_model(model)
     batch = split_concatenated(input_ids, attention_mask, logits_to_keep, model=prepared)
+    if backend != "dense":
+        warn_if_dropout_shared(model, "compute_logps_concatenated")
     return score_grouped(
         model, prepared, batch, temperature, return_entropy, backend, token_budget, return_router_stats, lockstep
     )
@@ -142,7 +154,9 @@ def compute_logps_tree(
     The library finds the token trie of the rows (longest common prefixes between any rows, across prompts too).
     Each trie node's tokens are forwarded once, attending over its ancestors' keys/values and causally over its
     own; gradients reach every ancestor through those keys/values. With gradients, one forward per trie depth;
-    without, a depth-first walk within ``token_budget``.
+    without, a depth-first walk within ``token_budget``. With dropout active, a node's dropout draw is shared by every
+    row through it, and the call warns as :func:`~shared_prefix_logps.compute_logps` does
+    (:class:`~shared_prefix_logps.SharedDropoutWarning`).
 
     Args:
         model: as for :func:`~shared_prefix_logps.compute_logps`.
@@ -184,6 +198,7 @@ def compute_logps_tree(
     if backend == "dense":
         logps, entropy = dense_logps(prepared, rows, temperature=temperature, return_entropy=return_entropy)
         return LogpsOutput(logps, entropy, rows.output_mask)
+    warn_if_dropout_shared(model, "compute_logps_tree")
     settings = CallSettings(
         layout=resolve_attention_backend(backend, prepared.device),
         temperature=temperature,

@@ -26,6 +26,7 @@ from .engine.run import grouped_call_plan, train_plan
 from .forward.context import CallSettings
 from .inputs import GroupedBatch, as_int, check_options, check_tree_rows, group_batch
 from .model import prepare_model
+from .model.dropout import warn_if_dropout_shared
 from .moe_router import router_spec
 from .output import LogpsOutput
 
@@ -52,6 +53,9 @@ def chunked_backward(
     as if one graph over all completions had been backpropagated, while only one chunk's activations were alive.
     That holds when no completion token is valid too: every parameter the forward uses then gets a zero ``.grad``
     (not None), so optimizers that step on zero gradients (Adam's momentum) step as they would on the one graph.
+    With dropout active (the model in training mode), a prompt's dropout draw is shared by all its completions, in
+    every chunk, where full rows draw one per row: the call runs and warns as
+    :func:`~shared_prefix_logps.compute_logps` does (:class:`~shared_prefix_logps.SharedDropoutWarning`).
 
     Args:
         model, prompts, completions, prompt_mask, completion_mask, temperature, return_entropy, backend:
@@ -136,6 +140,7 @@ def chunked_backward(
     plan = grouped_call_plan(batch, prepared, steps)
     plan = plan.ordered(generation_chunks(num_prompts, generations, generations_per_chunk))
     settings = CallSettings(layout, float(temperature), return_entropy, router)
+    warn_if_dropout_shared(model, "chunked_backward")
     return train_plan(prepared, plan, settings, loss_fn, driver=driver, steps=steps)
 
 
@@ -155,6 +160,9 @@ def chunked_backward_tree(
 ) -> LogpsOutput:
     """Run forward and backward of ``loss_fn`` over chunks of rows of a prefix tree; parameters' ``.grad``
     accumulate the gradient of ``sum(loss_fn(chunk) for chunk)``, as one graph over all rows would give.
+
+    With dropout active, a node's dropout draw is shared by every row through it, and the call warns as
+    :func:`~shared_prefix_logps.compute_logps` does (:class:`~shared_prefix_logps.SharedDropoutWarning`).
 
     Args:
         model, input_ids, attention_mask, score_mask, temperature, return_entropy, merge_tiny_nodes: as for
@@ -197,6 +205,7 @@ def chunked_backward_tree(
     plan = rows_plan(rows, merge_below, one_token_forks=one_token_forks(prepared)).in_chunks_of(rows_per_chunk)
     steps = call_lockstep(model, lockstep, prepared.device)
     settings = CallSettings(layout, float(temperature), return_entropy)
+    warn_if_dropout_shared(model, "chunked_backward_tree")
     return train_plan(prepared, plan, settings, loss_fn, driver=driver, steps=steps)
 
 

@@ -35,9 +35,10 @@ DONE, BACKWARD, FORWARD = 0, 1, 2
 
 
 def agreed_depth_padding(lockstep: Lockstep, prepared, calls: int) -> torch.Tensor | None:
-    """With gradients: agree on the most node calls any process makes (``calls`` here) and make a one-token forward
-    for each this process lacks; their summed zero (None when there is none, or it carries no gradient), which the
-    caller adds to its results so that its backward goes through them too."""
+    """With gradients: agree on the most model forwards any process makes (``calls`` here: its node calls, or the
+    placeholder forward of a walk whose rows are all empty, :meth:`~.walk.Walk.forwards_in_one_chunk`) and make a
+    one-token forward for each this process lacks; their summed zero (None when there is none, or it carries no
+    gradient), which the caller adds to its results so that its backward goes through them too."""
     missing = lockstep.max(calls) - calls
     zeros = [zero for zero in (one_token_zero(prepared) for _ in range(missing)) if zero.requires_grad]
     return torch.stack(zeros).sum() if zeros else None

@@ -92,10 +92,10 @@ def _score(prepared, plan: Plan, settings: CallSettings, token_budget, lockstep,
     # A call may run again (optimistically, see model_call) where no collective pairs it with other processes' calls:
     # a model without a collective wrapper, or no-grad calls whose forwards lockstep joins.
     rerun = _run_again if joined or collective_wrapper(prepared.outer) is None else None
-    walk = Walk(prepared, plan, settings, rerun=rerun)
+    walk = Walk(prepared, plan, settings, rerun=rerun, in_step=lockstep is not None)
     padding = None
     if grad and lockstep is not None:
-        padding = agreed_depth_padding(lockstep, prepared, walk.model_calls())
+        padding = agreed_depth_padding(lockstep, prepared, walk.forwards_in_one_chunk())
     results = _Results(plan, settings, prepared.device)
     for chunk in plan.chunks:
         out = walk.forward_rows(chunk)

@@ -66,6 +66,9 @@ class Walk:
         rerun: how a call that found a non-finite value after an optimistic forward is run again (``rerun(found) ->
             every process runs again``), or None where a call may not run twice: every layer checks instead
             (:func:`~.model_call.forward_call`).
+        in_step: the model calls are kept in step with other processes (implied by ``agreement``): with gradients,
+            every call's head results join the output of the chunk that forwarded it, also where they are empty
+            (see :meth:`forward_rows`).
 
     With a layout that serves calls of several depths (the layout table's ``multi_depth``) and a plan of one chunk,
     the walk forwards the whole trie in one model call; otherwise one call per depth of each chunk's new nodes. (A
@@ -86,10 +89,12 @@ class Walk:
         weight_grads=None,
         keep_logits_bytes: int = 0,
         rerun=None,
+        in_step: bool = False,
     ):
         self.prepared, self.plan, self.settings = prepared, plan, settings
         self.leaves, self.backward, self.agreement = leaves, backward, agreement
         self.weight_grads, self.keep_logits_bytes, self.rerun = weight_grads, keep_logits_bytes, rerun
+        self.in_step = in_step or agreement is not None
         trie = plan.trie
         self.planner = CallPlanner(trie, plan.pairs, settings.layout)
         self.one_call = self.planner.multi_depth and len(plan.chunks) <= 1 and prepared.recurrent is None
@@ -107,12 +112,23 @@ class Walk:
         # (output, what the chunks use) of the one-token forward standing in for node calls when every row is empty.
         self.placeholder: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def forwards_in_one_chunk(self) -> int:
+        """The model forwards :meth:`forward_rows` makes for all of the plan's rows at once with gradients: one node
+        call for the whole trie (a layout serving calls of several depths) or one per trie depth (every node lies on
+        some row's path), or, when every row is empty, the one-token placeholder (:meth:`_forward_placeholder`).
+        Processes agree on this count before they forward."""
+        trie = self.plan.trie
+        if not trie.num_nodes:
+            return 1
+        return 1 if self.one_call else int(trie.depth.max())
+
     def forward_rows(self, rows: torch.Tensor) -> LogpsOutput:
         """Forward the nodes ``rows`` need that are not forwarded yet; the rows' (len(rows), width) output,
         differentiable (through the calls' leaves with ``leaves``)."""
         trie = self.plan.trie
         nodes = trie.row_path[rows].reshape(-1)
         nodes = torch.unique(nodes[nodes >= 0])
+        first_new_call = self.planner.num_calls
         new = nodes[self.planner.node_call[nodes] < 0]
         if self.one_call:
             if new.numel():
@@ -155,14 +171,21 @@ class Walk:
                 anchor = torch.stack([t.sum() * 0.0 for t in used]).sum()
                 logps = logps + anchor
                 entropy = None if entropy is None else entropy + anchor
+        if torch.is_grad_enabled() and self.in_step:
+            # Processes in step must back-propagate every forward and reach the same parameters from each: FSDP2
+            # gathers and reduces once per forward graph a backward reaches, and reduces only the gradients that graph
+            # produced, so one process's collective would pair with another's next one (a hang). A call's backward
+            # reaches every parameter through the zero that enters the model's output, but the head's weight only
+            # through the call's head results, which no row reads where the call has no scored pair: a shared system
+            # prompt's call (its weight then got no gradient), a call of unscored leaves (its graph got no gradient at
+            # all). Their empty sum (exactly zero, connected to the head's weight) joins the chunk's output.
+            empty = [self.calls[call].used.logps for call in range(first_new_call, self.planner.num_calls)]
+            empty = [result.sum() for result in empty if result.numel() == 0 and result.requires_grad]
+            if empty:
+                anchor = torch.stack(empty).sum()
+                logps = logps + anchor
+                entropy = None if entropy is None else entropy + anchor
         return LogpsOutput(logps, entropy, score)
-
-    def model_calls(self) -> int:
-        """How many node calls the walk of a plan of one chunk makes: one, or one per trie depth (0 without nodes)."""
-        trie = self.plan.trie
-        if trie.num_nodes == 0:
-            return 0
-        return 1 if self.one_call else int(trie.depth.max())
 
     def router(self, rows: torch.Tensor, num_experts: int) -> RouterStats:
         """The rows' router statistics: the sums of the nodes on each row's path (differentiable through the calls'
@@ -249,5 +272,11 @@ class Walk:
             if output.requires_grad and leaf.grad is not None:
                 tensors.append(output)
                 grads.append(leaf.grad)
+        head, head_leaf = live.outputs.logps, live.used.logps
+        if self.agreement is not None and tensors and head.requires_grad and head_leaf.grad is None:
+            # In step, every backward reaches the head's weight (see forward_rows), also where the loss of the chunk
+            # whose output the head results joined was skipped (a loss without grad for a chunk without a valid token).
+            tensors.append(head)
+            grads.append(torch.zeros_like(head))
         if tensors or self.agreement is not None:  # an agreed backward pairs with the other processes' even if empty
             self.backward(tensors, grads)

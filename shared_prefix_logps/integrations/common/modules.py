@@ -1,11 +1,12 @@
-"""Module-level helpers a plug-in wraps the trainer's model with: mixed-precision forwards, dropout detection,
-temporary eval mode."""
+"""Module-level helpers a plug-in wraps the trainer's model with: mixed-precision forwards, dropout detection (the
+core's, ``model/dropout.py``, which the entry points warn with), temporary eval mode."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from ...distributed.lockstep import eval_mode
+from ...model.dropout import dropout_active
 
 __all__ = ["AutocastForward", "dropout_active", "eval_mode"]
 
@@ -27,16 +28,3 @@ class AutocastForward(nn.Module):
     def forward(self, *args, **kwargs):
         with self._autocast():
             return self.module(*args, **kwargs)
-
-
-def dropout_active(model: nn.Module) -> bool:
-    """Whether a forward of ``model`` in its current mode is random (dropout modules or attention dropout)."""
-    for module in model.modules():
-        if not module.training:
-            continue
-        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
-            return True
-        config = getattr(module, "config", None)
-        if config is not None and float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0:
-            return True
-    return False

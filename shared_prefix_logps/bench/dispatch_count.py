@@ -247,6 +247,7 @@ class DispatchCount(TorchDispatchMode):
                 # non_blocking.
                 if not kwargs.get("non_blocking", False) and not (len(args) > 1 and args[1] is True):
                     counter.sync(".to(device)")
+                counter.counts.kernels["host-to-device copy"] += 1  # a copy launched on the device's stream
                 with _outside(counter):
                     moved = original(tensor, *args, **kwargs)
                     moved = moved.clone() if moved is tensor else moved

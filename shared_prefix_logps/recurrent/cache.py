@@ -31,7 +31,7 @@ class _StateCacheLayerMethods:
     """The methods of :class:`StateCacheLayer`, apart from its transformers base class so that this module imports
     on transformers without linear-attention cache layers."""
 
-    def __init__(self, start: RecurrentState | None, kernel_size: int | None):
+    def __init__(self, start: RecurrentState | None, kernel_size: int | None, lengths: torch.Tensor | None = None):
         # A layer without a start reads no state (has_previous_state False): its convolution pads with zeros and
         # its recurrence starts from zero, as at a row's first token. With a start, exactly the state indices it
         # holds exist (transformers 5.15-5.17 read ``all(has_previous_state.values())``).
@@ -40,6 +40,7 @@ class _StateCacheLayerMethods:
         self.record_past = True
         self.kernel_size = kernel_size
         self.start = start
+        self.lengths = lengths  # (rows,) int64 on the device: real tokens of right-padded rows, or None
         self.end_conv: dict[int, torch.Tensor] = {}
         self.end_recurrence: dict[int, torch.Tensor] = {}
         if start is not None:
@@ -66,6 +67,15 @@ class _StateCacheLayerMethods:
         start = self.start.conv.get(state_idx) if self.start is not None else None
         inputs = conv_states if start is None else torch.cat([start.to(conv_states.dtype), conv_states], dim=-1)
         width = kernel_size - 1
+        if self.lengths is not None:
+            # Right-padded rows: each row's window ends at its last real input (the start window, if any, is ahead of
+            # the rows' inputs; a row shorter than the window takes zeros, or the start window, before it).
+            padded = F.pad(inputs, (width, 0))
+            offset = inputs.shape[-1] - conv_states.shape[-1]
+            ends = offset + self.lengths
+            index = ends[:, None] + torch.arange(width, device=ends.device)[None, :]
+            self.end_conv[state_idx] = padded.gather(-1, index[:, None, :].expand(-1, padded.shape[1], -1))
+            return inputs
         short = max(0, width - inputs.shape[-1])
         window = F.pad(inputs, (short, 0)) if short else inputs
         self.end_conv[state_idx] = window[..., window.shape[-1] - width :]
@@ -89,15 +99,18 @@ if LinearAttentionCacheLayerMixin is not None:
         """A linear-attention cache layer that starts from a given state and records its end state out of place."""
 
 
-def state_cache(layer_idx: int, start: RecurrentState | None, kernel_size: int | None):
+def state_cache(
+    layer_idx: int, start: RecurrentState | None, kernel_size: int | None, lengths: torch.Tensor | None = None
+):
     """(cache, layer): a transformers ``Cache`` whose entry ``layer_idx`` is a state cache layer starting from
     ``start`` (None: from the state before a row's first token). Pass the cache to the recurrent layer's forward
-    where it takes its cache; read ``layer.end_state()`` afterwards.
+    where it takes its cache; read ``layer.end_state()`` afterwards. ``lengths``: (rows,) int64 real tokens of rows
+    padded on the right, whose convolution windows end at their last real token.
 
     The cache holds no other layer: a recurrent layer's forward reads only its own entry.
     """
     if LinearAttentionCacheLayerMixin is None:
         raise ImportError("this transformers has no LinearAttentionCacheLayerMixin (transformers >= 5.15 needed)")
-    layer = StateCacheLayer(start, kernel_size)
+    layer = StateCacheLayer(start, kernel_size, lengths)
     layers = [None] * layer_idx + [layer]
     return Cache(layers=layers), layer

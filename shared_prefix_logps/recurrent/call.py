@@ -67,6 +67,7 @@ class RecurrentCall:
         self.layouts: dict[nn.Module, RecurrentState] = {}
         self.ends: dict[nn.Module, RecurrentState] = {}
         self.finished = False
+        self.padded_layouts: dict = {}  # the nodes' padded layout on the device, shared by the call's layers
 
     def initial_state(self, module: nn.Module) -> RecurrentState | None:
         """``module``'s initial states for this call's nodes (None: every node starts a row)."""
@@ -156,7 +157,13 @@ def _forked_forward(module: nn.Module, original, call: RecurrentCall, hidden_sta
     # The layer's other arguments (its cache, the padding mask, packed-sequence kwargs) describe the caller's batch
     # layout; the spans replace them: each node's tokens run unpadded from the node's own state.
     output, end = run_from_states(
-        module, hidden_states, call.spans, call.initial_state(module), forward=original, keep_ends=call.keep_ends
+        module,
+        hidden_states,
+        call.spans,
+        call.initial_state(module),
+        forward=original,
+        keep_ends=call.keep_ends,
+        layouts=call.padded_layouts,
     )
     if call.finished or not call.records:
         # Nothing to hand on (a call of leaves), or an activation-checkpoint recomputation in backward (the end

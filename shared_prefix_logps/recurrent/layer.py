@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -64,13 +65,15 @@ def run_from_states(
     *,
     forward: Callable | None = None,
     keep_ends: bool | torch.Tensor = True,
+    layouts: dict | None = None,
 ) -> tuple[torch.Tensor, RecurrentState | None]:
     """Run recurrent layer ``mixer`` over each node's tokens, node ``n`` starting from row ``n`` of ``initial``.
 
     The nodes go through the layer's own forward (``forward``, default ``mixer.forward``: pass the original when the
-    module's forward is wrapped), one call per distinct node length, each node's tokens gathered into an unpadded
-    row; the state reaches the layer through its cache argument (:mod:`.cache`). So no padding is ever scanned: a
-    left-padded prompt gives the unpadded prompt's state, a right-padded row ends where its tokens end, and packed
+    module's forward is wrapped); the state reaches the layer through its cache argument (:mod:`.cache`). A Gated
+    DeltaNet layer runs every node in one call, right-padded with steps made the identity (:func:`_run_padded`);
+    other layers run one call per distinct node length, each node's tokens gathered into an unpadded row. Either way
+    a left-padded prompt gives the unpadded prompt's state, a right-padded row ends where its tokens end, and packed
     nodes do not run into each other.
 
     Args:
@@ -86,6 +89,8 @@ def run_from_states(
             read); the first copy's output is the token's own. A one-token node that keeps its end state from a
             state takes the decode path (the caller decides where that back-propagates, see
             :class:`~.served.RecurrentPart`).
+        layouts: a dict the caller keeps for all layers of one call with the same ``spans``: the padded layout's
+            index tensors are moved to the device once per call, not once per layer.
 
     Returns:
         (output, end): output (rows, columns, out_hidden) in the layer's output dtype, zero outside every span;
@@ -112,6 +117,13 @@ def run_from_states(
     if spans.covers_rows(rows, columns) and not bool(widened.any()):
         output, end = segment(hidden_states, initial)
         return output, end if records else None
+    gates = identity_gates(mixer)
+    if gates:
+        key = (hidden_states.device, initial is not None)
+        layout = (layouts or {}).get(key) or PaddedLayout.of(spans, hidden_states.device, from_state=key[1])
+        if layouts is not None:
+            layouts[key] = layout
+        return _run_padded(mixer, forward, argument, kernel_size, gates, hidden_states, layout, initial, records)
 
     device = hidden_states.device
     row, start, length = spans.row, spans.start, spans.length
@@ -142,6 +154,83 @@ def run_from_states(
     # Back from length groups to node order.
     inverse = torch.argsort(torch.cat(order))
     return output, RecurrentState.cat(ends).select(inverse)
+
+
+#: A Gated DeltaNet layer's projections whose outputs set each step's decay and write strength (Qwen3.5: ``a`` and
+#: ``b``; Qwen3-Next: both in one). Where they are -inf a step is the identity: its decay ``exp(-A * softplus(-inf))``
+#: is 1 and its write strength ``sigmoid(-inf)`` is 0, so padded steps after a node's last token leave its state as
+#: it was, in the layer's own kernels (which pad their chunks the same way).
+GATE_PROJECTIONS = ("in_proj_a", "in_proj_b", "in_proj_ba")
+
+
+def identity_gates(mixer: nn.Module) -> list[nn.Module]:
+    """The modules of :data:`GATE_PROJECTIONS` in ``mixer`` (empty for a layer of another kind)."""
+    return [getattr(mixer, name) for name in GATE_PROJECTIONS if isinstance(getattr(mixer, name, None), nn.Module)]
+
+
+@dataclass(frozen=True)
+class PaddedLayout:
+    """Where a call's nodes sit when they run right-padded in one batch, on the device (made on the host, moved once).
+
+    Attributes:
+        node_rows, columns: (N, 1) and (N, width) int64, the input row and column each padded step reads (a padded
+            step reads its node's last token).
+        padding: (N, width) bool, the padded steps.
+        lengths: (N,) int64, each node's real tokens.
+        flat: (T,) int64, each real token's index in the flattened (N x width) batch; rows, positions: (T,) int64,
+            its row and column in the layer's input.
+    """
+
+    node_rows: torch.Tensor
+    columns: torch.Tensor
+    padding: torch.Tensor
+    lengths: torch.Tensor
+    flat: torch.Tensor
+    rows: torch.Tensor
+    positions: torch.Tensor
+
+    @staticmethod
+    def of(spans: NodeSpans, device, *, from_state: bool) -> PaddedLayout:
+        """The layout of ``spans``, padded to the longest node (to two steps at least when the nodes start from a
+        state, so none takes the one-token decode path)."""
+        length = spans.length
+        width = max(int(length.max()), 2 if from_state else 1)
+        steps = torch.arange(width)
+        real = steps[None, :] < length[:, None]
+        node, step = real.nonzero(as_tuple=True)  # on the host: each real token's node and its index in it
+        host = dict(
+            node_rows=spans.row[:, None],
+            columns=spans.start[:, None] + torch.minimum(steps[None, :], length[:, None] - 1),
+            padding=~real,
+            lengths=length,
+            flat=node * width + step,
+            rows=spans.row[node],
+            positions=spans.start[node] + step,
+        )
+        return PaddedLayout(**{name: t.to(device, non_blocking=True) for name, t in host.items()})
+
+
+def _run_padded(mixer, forward, argument, kernel_size, gates, hidden_states, layout: PaddedLayout, initial, records):
+    """Every node in one call of the layer: right-padded to the longest (:class:`PaddedLayout`), the padded steps made
+    the identity (:data:`GATE_PROJECTIONS`), each node's convolution window taken at its last real token
+    (:func:`~.cache.state_cache`'s ``lengths``). So a call's kernels do not grow with its number of distinct node
+    lengths; the padded tokens are computed and dropped."""
+    padded = hidden_states[layout.node_rows, layout.columns]
+
+    def identity_steps(module, args, output):
+        return output.masked_fill(layout.padding[..., None], float("-inf"))
+
+    handles = [gate.register_forward_hook(identity_steps) for gate in gates]
+    try:
+        cache, layer = state_cache(mixer.layer_idx, initial, kernel_size, lengths=layout.lengths)
+        output = forward(padded, **{argument: cache})
+    finally:
+        for handle in handles:
+            handle.remove()
+    values = output.reshape(-1, output.shape[-1])[layout.flat]
+    rows, columns = hidden_states.shape[:2]
+    result = values.new_zeros((rows, columns, values.shape[-1])).index_put((layout.rows, layout.positions), values)
+    return result, layer.end_state() if records else None
 
 
 def _per_node(keep_ends: bool | torch.Tensor, nodes: int) -> torch.Tensor:

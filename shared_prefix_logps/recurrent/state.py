@@ -57,7 +57,7 @@ class RecurrentState:
         """The states of nodes ``index`` ((n,) int64, repeats allowed): each child's initial state from its
         parent's end state. Differentiable; in backward the gradients of every child of a node add up in that
         node's row (``index_select``'s backward), so a parent's state sends its children's gradient back once."""
-        return self.from_tensors([t.index_select(0, index.to(t.device)) for t in self.tensors()])
+        return self.from_tensors([t.index_select(0, index.to(t.device, non_blocking=True)) for t in self.tensors()])
 
     @staticmethod
     def cat(states: list[RecurrentState]) -> RecurrentState:

@@ -67,3 +67,36 @@ def test_host_syncs_per_step_and_none_in_the_layer_loop(records, shallow):
         assert record["host_syncs"] <= 5 + forced, record
         assert record["host_syncs"] == shallow[(method, step)]["host_syncs"], (record, shallow[(method, step)])
         assert record["sync_sites"] == shallow[(method, step)]["sync_sites"]
+
+
+@pytest.mark.parametrize("train", [False, True], ids=["score", "train"])
+def test_a_hybrid_call_runs_its_recurrent_layers_once_whatever_its_node_lengths(train):
+    """A tiny Qwen3.5: a call of 8 completions of one length and one of 8 distinct lengths dispatch the same kernels
+    (each Gated DeltaNet layer runs its nodes in one padded call, not one per length), with the same host syncs."""
+    import torch
+    from support.hybrid_models import build_hybrid
+
+    from shared_prefix_logps import compute_logps
+    from shared_prefix_logps.bench.dispatch_count import count_step
+
+    model = build_hybrid("qwen3_5_text")
+    gen = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    prompts = torch.randint(1, vocab, (1, 12), generator=gen)
+    counted = {}
+    for lengths in ([6] * 8, [3, 4, 5, 6, 7, 8, 9, 10]):
+        completions = torch.randint(1, vocab, (8, 10), generator=gen)
+        mask = torch.arange(10)[None] < torch.tensor(lengths)[:, None]
+
+        def step(completions=completions, mask=mask):
+            with torch.set_grad_enabled(train):
+                out = compute_logps(model, prompts, completions, completion_mask=mask)
+                if train:
+                    out.logps.sum().backward()
+
+        step()
+        model.zero_grad(set_to_none=True)
+        counted[len(set(lengths))] = count_step(step, model, [prompts, completions, mask])
+        model.zero_grad(set_to_none=True)
+    assert counted[1].kernels == counted[8].kernels, (counted[1].num_kernels, counted[8].num_kernels)
+    assert counted[1].num_syncs == counted[8].num_syncs <= 5, (counted[1].syncs, counted[8].syncs)

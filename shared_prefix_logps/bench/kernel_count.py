@@ -248,7 +248,7 @@ def run_count(args) -> int:
     import json
     from pathlib import Path
 
-    from .run_info import progress_bar, set_cpu_threads
+    from .run_info import device_name, git_commit, package_versions, progress_bar, set_cpu_threads
 
     set_cpu_threads(args.threads, torch.device("cpu"))
     preset = args.model or "qwen2.5-1.5b"
@@ -264,17 +264,26 @@ def run_count(args) -> int:
     bar = progress_bar(sum(len(steps) for _, steps in COUNTED))
     records = count_methods(model, batches, progress=bar)
     layers = model.config.num_hidden_layers
-    print(
+    heading = (
         f"{preset}: {layers} layers, widths narrowed (head dim {NARROW_HEAD_DIM}); {args.prompts} prompts of "
         f"{prompt_len} tokens, completions of up to {completion_len}; score G={score_g}, train G={train_g}"
     )
+    print(heading)
     print(table(records))
     if args.output:
         out = Path(args.output)
         out.mkdir(parents=True, exist_ok=True)
         stem = args.name or "kernel-count"
-        meta = {"preset": preset, "layers": layers, "prompts": args.prompts, "prompt_len": prompt_len}
-        meta.update({"completion_len": completion_len, "score_generations": score_g, "train_generations": train_g})
+        # ``count`` marks these records apart from the timed runs' (tests/bench/test_results.py reads those).
+        meta = {"count": "kernels", "preset": preset, "layers": layers, "prompts": args.prompts}
+        meta.update({"prompt_len": prompt_len, "completion_len": completion_len})
+        meta.update({"score_generations": score_g, "train_generations": train_g})
+        meta.update({"device": device_name(torch.device("cpu")), "versions": package_versions()})
+        meta["commit"] = git_commit()
         (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "records": records}, indent=1))
-        print(f"wrote {out / f'{stem}.json'}")
+        versions = ", ".join(f"{name} {version}" for name, version in meta["versions"].items())
+        (out / f"{stem}.md").write_text(
+            f"# Kernel count: {preset}\n\n{heading}\n\ncommit {meta['commit']}; {versions}\n\n{table(records)}\n"
+        )
+        print(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.md'}")
     return 0

@@ -100,3 +100,35 @@ def test_a_hybrid_call_runs_its_recurrent_layers_once_whatever_its_node_lengths(
         model.zero_grad(set_to_none=True)
     assert counted[1].kernels == counted[8].kernels, (counted[1].num_kernels, counted[8].num_kernels)
     assert counted[1].num_syncs == counted[8].num_syncs <= 5, (counted[1].syncs, counted[8].syncs)
+
+
+def _committed_counts():
+    import json
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+    def is_count(path):
+        data = json.loads(path.read_text())
+        return isinstance(data, dict) and data.get("meta", {}).get("count") == "kernels"
+
+    return [path for path in sorted(results.glob("*.json")) if is_count(path)]
+
+
+@pytest.mark.parametrize("path", _committed_counts(), ids=lambda p: p.name)
+def test_committed_counts_hold_their_ratios_and_the_targets(path):
+    """A committed ``bench --count-kernels`` file: its ratios are its kernels over its dense step's, it records the
+    commit and versions it counted, and the one-call, per-call and sync targets above held there."""
+    import json
+
+    data = json.loads(path.read_text())
+    assert data["meta"]["commit"] and data["meta"]["versions"]["torch"]
+    found = {(r["method"], r["step"]): r for r in data["records"]}
+    for (method, step), record in found.items():
+        dense = found[("tree-dense" if method.startswith("tree-") else "dense", step)]
+        assert record["x_dense"] == pytest.approx(record["kernels"] / dense["kernels"], abs=0.005), record
+        assert record["host_syncs"] == sum(record["sync_sites"].values()), record
+    test_the_layout_of_every_depth_runs_a_step_in_one_call_within_1_3x_dense(found)
+    for layout in ("expand", "flex"):
+        test_every_layout_per_node_call(found, layout)
+        test_forced_chunks(found, layout)

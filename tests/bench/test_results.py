@@ -16,10 +16,10 @@ RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 def _is_bench_run(path: Path) -> bool:
     """A ``shared-prefix-logps bench`` run on GRPO batches (other scripts write other JSON here; tree runs are checked
-    by test_tree_results.py)."""
+    by test_tree_results.py, kernel counts by test_kernel_count.py)."""
     data = json.loads(path.read_text())
     meta = data.get("meta", {}) if isinstance(data, dict) else {}
-    return "preset" in meta and "tree_workload" not in meta and "records" in data
+    return "preset" in meta and "tree_workload" not in meta and "count" not in meta and "records" in data
 
 
 FILES = sorted(p for p in RESULTS.glob("*.json") if _is_bench_run(p))

@@ -25,7 +25,7 @@ from support.graph_counter import allow_flex_backward_on_cpu
 from support.tiny_models import VOCAB, build_model
 from support.trees import pad_alternating, spy_tree_calls
 
-from shared_prefix_logps import chunked_backward_tree, compute_logps, compute_logps_tree
+from shared_prefix_logps import chunked_backward, chunked_backward_tree, compute_logps, compute_logps_tree
 from shared_prefix_logps.backends.flash_kernels import substituted
 from shared_prefix_logps.engine import sharing
 
@@ -39,13 +39,16 @@ SITES = ("embedding", "hidden")
 
 
 @contextlib.contextmanager
-def planted(model, value: float, site: str):
+def planted(model, value: float | None, site: str):
     """Replace the hidden states of every :data:`POISON` token by ``value``: the embedding's output (``embedding``) or
-    the first decoder layer's (``hidden``), whatever layout the tokens arrive in."""
+    the first decoder layer's (``hidden``), whatever layout the tokens arrive in. ``value=None`` installs the same
+    hooks replacing nothing: the clean run to compare with (a hook on the input embedding takes its weight gradient
+    off the chunked backwards' summed buffer, engine/weight_grads.py, which changes its last bits)."""
     seen = {}
 
     def poison(ids, hidden):
-        return torch.where((ids == POISON)[..., None], torch.full_like(hidden, value), hidden)
+        planted_value = hidden if value is None else torch.full_like(hidden, value)
+        return torch.where((ids == POISON)[..., None], planted_value, hidden)
 
     def on_embedding(module, args, output):
         seen["ids"] = args[0]
@@ -130,11 +133,14 @@ def _embedding_grad(model) -> torch.Tensor:
 
 def assert_isolated(run, *, bad: int, clean_tokens: torch.Tensor, model, grads: bool = True):
     """``run()`` -> (logps, embedding gradient or None), clean and with each value planted at each site: the other
-    rows' log-probs and the clean tokens' embedding gradients equal the clean run's, the poisoned row is not finite."""
-    clean_logps, clean_grad = run()
-    others = [r for r in range(clean_logps.shape[0]) if r != bad]
-    for value in VALUES:
-        for site in SITES:
+    rows' log-probs and the clean tokens' embedding gradients equal the clean run's (under the same hooks), the
+    poisoned row is not finite."""
+    for site in SITES:
+        with planted(model, None, site):
+            clean_logps, clean_grad = run()
+        assert clean_logps.isfinite().all(), f"the clean run under the {site} hooks is not finite"
+        others = [r for r in range(clean_logps.shape[0]) if r != bad]
+        for value in VALUES:
             with planted(model, value, site):
                 logps, grad = run()
             where = f"{value} planted at the {site}"
@@ -183,6 +189,42 @@ def test_two_level(backend, grad, request, monkeypatch):
 
     with stack:
         assert_isolated(run, bad=bad, clean_tokens=clean_tokens, model=model, grads=grad)
+
+
+@pytest.mark.parametrize("backend", ["expand", "flex"])
+@pytest.mark.parametrize("generations_per_chunk", ["auto", 1], ids=["one_chunk", "chunks"])
+def test_two_level_chunked_backward(backend, generations_per_chunk, monkeypatch):
+    """``chunked_backward``: in one chunk (with ``flex`` one model call for every depth, its finiteness checked once
+    and the call run again isolating when it is not finite) and in chunks of one generation (the calls' outputs cut
+    into leaves, isolated from the start: a chunk's backward cannot be run again)."""
+    model = _model()
+    if backend == "flex":
+        allow_flex_backward_on_cpu(monkeypatch)
+    prompts, completions, prompt_mask, completion_mask, bad = two_level_batch()
+    group = torch.arange(9) // 3
+    clean_tokens = _clean_tokens(
+        torch.cat([prompts[group], completions], 1), torch.cat([prompt_mask[group], completion_mask], 1), bad
+    )
+    weights = torch.randn(completions.shape, generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(chunk, rows):
+        keep = rows != bad  # the poisoned row selected out, not multiplied by 0
+        return (chunk.logps[keep] * weights[rows[keep]]).sum()
+
+    def run():
+        out = chunked_backward(
+            model,
+            prompts,
+            completions,
+            loss_fn,
+            prompt_mask=prompt_mask,
+            completion_mask=completion_mask,
+            generations_per_chunk=generations_per_chunk,
+            backend=backend,
+        )
+        return out.logps, _embedding_grad(model)
+
+    assert_isolated(run, bad=bad, clean_tokens=clean_tokens, model=model)
 
 
 def _system_prompt_rows():

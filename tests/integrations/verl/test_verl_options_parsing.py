@@ -18,6 +18,9 @@ def options():
     path = Path(shared_prefix_logps.__file__).parent / "integrations" / "verl" / "options.py"
     spec = importlib.util.spec_from_file_location("verl_options_without_verl", path)
     module = importlib.util.module_from_spec(spec)
+    # Its relative imports (the trainer-neutral ``integrations.common``) resolve from the package it lives in, whose
+    # ``__init__`` is never run here.
+    module.__package__ = "shared_prefix_logps.integrations.verl"
     sys.modules[spec.name] = module  # dataclasses look their module up there
     try:
         spec.loader.exec_module(module)

@@ -323,3 +323,38 @@ def test_auto_chunking_takes_the_fewest_chunks_that_fit(monkeypatch):
         chunked_backward(model, prompts, comps, loss_fn, generations_per_chunk="all")
     with pytest.raises(ValueError, match="token_budget sizes the chunks of generations_per_chunk='auto'"):
         chunked_backward(model, prompts, comps, loss_fn, generations_per_chunk=2, token_budget=10)
+
+
+def test_accumulating_into_grad_holds_no_second_copy_of_the_gradients(monkeypatch):
+    """The linear layers' backward multiplies into ``.grad`` and the small parameters are added back in one operation
+    per pass (engine/grad_accumulation.py): the peak live bytes of four chunks stay at those of autograd's own
+    accumulation (which adds one fresh gradient at a time), on a model whose weights outweigh its activations, so a
+    second copy of its gradients would show; and the gradients are the same."""
+    from shared_prefix_logps.bench.memory import LiveTensorBytes
+    from shared_prefix_logps.engine import run
+
+    model = build_model("llama", hidden=256)
+    prompts, pmask, comps, cmask = make_batch(1, 4, prompt_len=4, completion_len=3, seed=1)
+    kwargs = dict(prompt_mask=pmask, completion_mask=cmask, generations_per_chunk=1, backend="expand")
+    loss_fn = lambda out, rows: out.logps.sum()  # noqa: E731
+    taken = []
+    original = run.grad_accumulation
+    monkeypatch.setattr(run, "grad_accumulation", lambda *args, **kw: taken.append(original(*args, **kw)) or taken[-1])
+    chunked_backward(model, prompts, comps, loss_fn, **kwargs)  # the head check outside the measurement
+    assert taken and taken[-1] is not None and taken[-1].linears, "the accumulation was not taken"
+    accumulated = {}
+    for way in ("accumulating", "autograd"):
+        if way == "autograd":
+            monkeypatch.setattr(run, "grad_accumulation", lambda *args, **kw: None)
+        model.zero_grad(set_to_none=True)
+        tracker = LiveTensorBytes()
+        with tracker:
+            chunked_backward(model, prompts, comps, loss_fn, **kwargs)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        accumulated[way] = tracker.peak, grads
+    (peak, grads), (autograd_peak, autograd_grads) = accumulated["accumulating"], accumulated["autograd"]
+    grad_bytes = sum(g.numel() * g.element_size() for g in grads.values())
+    layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+    assert autograd_peak > grad_bytes  # the measurement sees the gradients
+    assert peak <= autograd_peak + 0.05 * layer_bytes, (peak, autograd_peak, layer_bytes)
+    assert max_relative_grad_error(grads, autograd_grads) <= 1e-5

@@ -13,7 +13,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
-from support.distributed import GENERATIONS, concatenated, free_port, set_rank_environment, weighted_loss
+from support.distributed import (
+    GENERATIONS,
+    concatenated,
+    free_port,
+    init_deepspeed_gloo,
+    set_rank_environment,
+    weighted_loss,
+)
 from support.tiny_models import build_model, make_batch, randomize_lora
 
 from shared_prefix_logps import chunked_backward, compute_logps, compute_logps_concatenated
@@ -62,7 +69,7 @@ def _full_grads(engine, names) -> dict:
 def _worker(rank, port, results, stage, family, tied, lora, accumulation):
     set_rank_environment(rank, port)
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_deepspeed_gloo()
     try:
         model = _model(family, tied, lora)
         names = [name for name, param in model.named_parameters() if param.requires_grad]
@@ -153,3 +160,30 @@ def test_deepspeed_matches_dense(monkeypatch, stage, family, tied, lora, accumul
                 assert grad is not None, (rank, key, name)
                 error = (grad - reference).norm().item()
                 assert error <= 1e-4 * reference.norm().item() + 1e-8, (rank, key, name, error)
+
+
+_START_PAST_A_STALE_LOCK = """
+from support.distributed import free_port, init_deepspeed_gloo, set_rank_environment
+set_rank_environment(0, free_port(), world_size=1)
+init_deepspeed_gloo(timeout_s=30)
+print("started")
+"""
+
+
+def test_deepspeed_starts_past_a_stale_compile_lock(tmp_path):
+    """The tests' DeepSpeed starts do not wait on a compile lock that a killed process left in the extensions cache
+    (DeepSpeed's CPU backend would otherwise wait on it forever: the whole suite then ran into CI's time limit)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    (tmp_path / "deepspeed_shm_comm").mkdir()
+    (tmp_path / "deepspeed_shm_comm" / "lock").touch()
+    tests_dir = str(pathlib.Path(__file__).resolve().parents[1])
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), PYTHONPATH=tests_dir)
+    done = subprocess.run(
+        [sys.executable, "-c", _START_PAST_A_STALE_LOCK], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "started" in done.stdout

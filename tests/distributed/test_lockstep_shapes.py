@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 from support.distributed import (
     free_port,
     full_gradients,
+    init_deepspeed_gloo,
     init_gloo,
     set_rank_environment,
     spawn_ranks,
@@ -264,14 +265,13 @@ def _wrap(engine: str, model, port: int, rank: int):
         )
         clear = lambda: wrapped.zero_grad(set_to_none=True)  # noqa: E731
         return wrapped, torch.Tensor.backward, lambda: full_gradients(engine, wrapped, names), clear
-    import datetime
 
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
     set_rank_environment(rank, port)
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=30))
+    init_deepspeed_gloo(timeout_s=30)
     config = {
         "train_micro_batch_size_per_gpu": 1,
         # Every parameter partitioned, so that each submodule's forward gathers.

@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from support.distributed import (
     free_port,
     full_gradients,
+    init_deepspeed_gloo,
     init_gloo,
     set_rank_environment,
     spawn_ranks,
@@ -109,14 +110,13 @@ def _worker(rank, port, results, engine, scenario):
 
 
 def _zero3_worker(rank, port, results, scenario, accumulation):
-    import datetime
 
     import deepspeed
     from deepspeed.utils import safe_get_full_grad
 
     set_rank_environment(rank, port)
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=60))
+    init_deepspeed_gloo(timeout_s=60)
     try:
         model = build_model("llama", tied=False)
         names = [name for name, _ in model.named_parameters()]

@@ -57,6 +57,29 @@ def init_gloo(rank: int, port: int, world_size: int = 2, timeout_s: float = 30.0
     torch.set_num_threads(1)
 
 
+def keep_deepspeed_from_compiling() -> None:
+    """Start DeepSpeed's process groups without its shared-memory all-reduce op (used only by its inference
+    all-reduce, not by ZeRO). Its CPU backend otherwise compiles that op when a process group starts, under a file lock
+    in ``~/.cache/torch_extensions``: a rank killed mid-compile (a test's timeout) leaves the lock behind, and every
+    later DeepSpeed start on the machine then waits on it forever."""
+    import importlib
+
+    # By its module path: the attribute ``deepspeed.comm.torch`` is the torch package itself.
+    backend_module = importlib.import_module("deepspeed.comm.torch")
+    backend_module.build_shm_op = lambda: None  # TorchBackend calls it at each start; None means "no op"
+
+
+def init_deepspeed_gloo(timeout_s: float = 60.0) -> None:
+    """``deepspeed.init_distributed`` on gloo (after :func:`set_rank_environment`), compiling nothing, its
+    collectives giving up after ``timeout_s``."""
+    import datetime
+
+    import deepspeed
+
+    keep_deepspeed_from_compiling()
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def spawn_ranks(worker, args: tuple, *, timeout_s: float = 180.0, world_size: int = 2) -> None:
     """``mp.spawn(worker, args, nprocs=world_size)``, but a run still going after ``timeout_s`` is killed and
     reported as a hang (an exception raised in a rank propagates as with ``mp.spawn``)."""

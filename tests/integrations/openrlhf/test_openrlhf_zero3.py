@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("openrlhf", reason="OpenRLHF is not installed (make test-openrlhf)")
 import torch
 import torch.multiprocessing as mp
-from support.distributed import free_port, set_rank_environment
+from support.distributed import free_port, init_deepspeed_gloo, set_rank_environment
 from support.openrlhf_setup import import_openrlhf, make_actor, openrlhf_rows
 
 deepspeed = pytest.importorskip("deepspeed")
@@ -48,7 +48,7 @@ def _loss(actor, sequences, attention, actions, old, advantages):
 def _worker(rank, port, results):
     set_rank_environment(rank, port)
     torch.set_num_threads(1)
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_deepspeed_gloo()
     from deepspeed.utils import safe_get_full_grad
 
     from shared_prefix_logps.integrations.openrlhf import patch_actor

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 pytest.importorskip("trl")
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")
 
-from support.distributed import free_port, set_rank_environment  # noqa: E402
+from support.distributed import free_port, keep_deepspeed_from_compiling, set_rank_environment  # noqa: E402
 from support.trl_tiny import make_trainer, record_training, scripted_generate  # noqa: E402
 
 TIMING_KEYS = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second"}
@@ -75,6 +75,7 @@ def _worker(rank, port, path, results):
     faulthandler.dump_traceback_later(300, exit=True)
     torch.set_num_threads(1)
     _let_accelerate_run_deepspeed_on_cpu()
+    keep_deepspeed_from_compiling()  # accelerate starts DeepSpeed's process group
     from shared_prefix_logps.integrations.trl import patch_grpo_trainer
 
     config = dict(

@@ -91,7 +91,10 @@ def launches_kernel(func) -> bool:
     return not any(ret.alias_info is not None and not ret.alias_info.is_write for ret in schema.returns)
 
 
-def _value_shaped(func, args, kwargs) -> bool:
+def reads_device_values(func, args, kwargs) -> bool:
+    """Whether ATen operation ``func`` on device tensors makes the host wait for the device: it reads a value
+    (``item``, ``bool``, ``equal``) or its output's size depends on the values (``nonzero``, boolean-mask indexing,
+    ``repeat_interleave`` without ``output_size``, ``unique``, ``bincount``)."""
     name = func._schema.name
     if name in _VALUE_SHAPED:
         return True
@@ -337,7 +340,7 @@ class DispatchCount(TorchDispatchMode):
         if launches_kernel(func):
             # On the device a kernel; on the host (the library's planning on host tensors) an operation of the CPU.
             (self.counts.kernels if from_device else self.counts.host_ops)[func._schema.name] += 1
-        if from_device and _value_shaped(func, args, kwargs):
+        if from_device and reads_device_values(func, args, kwargs):
             self.sync(func._schema.name)
         if func._schema.name in _ADDITIONS and self.parameters and inputs:
             grads = {id(p.grad) for p in self.parameters if p.grad is not None}

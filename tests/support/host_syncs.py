@@ -4,7 +4,8 @@ On CUDA an operation whose output size or value the host needs synchronizes with
 (``int(t)``, ``bool(t)``, ``t.item()``: ``_local_scalar_dense``), output sizes that depend on values (``nonzero``,
 boolean-mask indexing and assignment, ``masked_select``, ``unique``, ``repeat_interleave`` without ``output_size``,
 ``bincount``: CUDA's kernel reads the maximum first), and ``equal``. The same operations on CPU tensors are counted
-here by a dispatch mode, so a CPU test can bound what a CUDA run would wait for.
+here by a dispatch mode (the rule is the kernel counter's, ``bench/dispatch_count.py``), so a CPU test can bound what
+a CUDA run would wait for.
 """
 
 from __future__ import annotations
@@ -14,30 +15,7 @@ import collections
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_ALWAYS = {
-    "aten::_local_scalar_dense",
-    "aten::nonzero",
-    "aten::masked_select",
-    "aten::_unique",
-    "aten::_unique2",
-    "aten::unique_dim",
-    "aten::unique_consecutive",
-    "aten::bincount",
-    "aten::equal",
-}
-
-
-def _syncs(func, args, kwargs) -> bool:
-    name = func._schema.name
-    if name in _ALWAYS:
-        return True
-    if name == "aten::repeat_interleave":
-        output_size = kwargs.get("output_size", args[-1] if len(args) > 1 and func._overloadname == "Tensor" else None)
-        return output_size is None
-    if name in ("aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"):
-        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
-    return False
+from shared_prefix_logps.bench.dispatch_count import reads_device_values
 
 
 class HostSyncs(TorchDispatchMode):
@@ -67,7 +45,7 @@ class HostSyncs(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _syncs(func, args, kwargs):
+        if reads_device_values(func, args, kwargs):
             self.counts[str(func)] += 1
         return func(*args, **kwargs)
 

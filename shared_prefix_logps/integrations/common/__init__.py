@@ -9,5 +9,6 @@
 - ``lockstep``: keeping processes' model calls in step when forwards are collectives (FSDP);
 - ``ddp``: DDP unwrapping and gradient averaging;
 - ``modules``: autocast wrapper, dropout detection, temporary eval mode;
-- ``backends``: the ``backend`` values every plug-in accepts.
+- ``backends``: the ``backend`` values every plug-in accepts;
+- ``environment``: the switch, backend and self-check options that environment-configured plug-ins read alike.
 """

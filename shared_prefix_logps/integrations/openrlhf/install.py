@@ -18,7 +18,7 @@ import os
 import warnings
 
 from ...errors import UnsupportedModelError
-from ..common.backends import check_plugin_backend
+from ..common.environment import common_options, flag
 from .order import install_group_order
 from .patch import ORIGINAL_ATTRIBUTE, PATCH_ATTRIBUTE, ActorPatch
 
@@ -27,23 +27,11 @@ SETUP_HOOK = "shared_prefix_logps.integrations.openrlhf.install.setup_worker"
 _UNSET = object()
 
 
-def _flag(name: str, default: str) -> bool:
-    value = os.environ.get(name, default).strip().lower()
-    if value not in ("0", "1", "true", "false"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return value in ("1", "true")
-
-
 def options_from_environment() -> dict:
     """The patch options the environment sets (see the module docstring); raises ValueError on a bad value."""
-    backend = os.environ.get(f"{ENV_PREFIX}_BACKEND", "auto")
-    check_plugin_backend(backend, f"{ENV_PREFIX}_BACKEND")
-    return {
-        "enabled": _flag(ENV_PREFIX, "1"),
-        "backend": backend,
-        "self_check": _flag(f"{ENV_PREFIX}_SELF_CHECK", "1"),
-        "group_order": _flag(f"{ENV_PREFIX}_GROUP_ORDER", "0"),
-    }
+    options = common_options(ENV_PREFIX)
+    options["group_order"] = flag(f"{ENV_PREFIX}_GROUP_ORDER", "0")
+    return options
 
 
 def _actor_class():

@@ -13,10 +13,9 @@ to every rank it launches):
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
-from ..common.backends import check_plugin_backend
+from ..common.environment import common_options
 from ..common.patching import replace_attribute, restore_attributes
 from .patch import LIGER_METHOD, LOGPS_METHOD, ORIGINAL_ATTRIBUTE, PATCH_ATTRIBUTE, SwiftPatch
 
@@ -26,23 +25,10 @@ _UNSET = object()  # a trainer the class-level methods have not seen yet (None: 
 _METHODS = {LOGPS_METHOD: "logps", LIGER_METHOD: "liger_loss"}
 
 
-def _flag(name: str, default: str) -> bool:
-    value = os.environ.get(name, default).strip().lower()
-    if value not in ("0", "1", "true", "false"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return value in ("1", "true")
-
-
 def options_from_environment() -> dict:
     """The patch options the environment sets (see the module docstring); raises ValueError naming the variable on a
     bad value."""
-    backend = os.environ.get(f"{ENV_PREFIX}_BACKEND", "auto").strip()
-    check_plugin_backend(backend, f"{ENV_PREFIX}_BACKEND")
-    return {
-        "enabled": _flag(ENV_PREFIX, "1"),
-        "backend": backend,
-        "self_check": _flag(f"{ENV_PREFIX}_SELF_CHECK", "1"),
-    }
+    return common_options(ENV_PREFIX)
 
 
 def trainer_class():

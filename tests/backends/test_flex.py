@@ -13,6 +13,30 @@ from shared_prefix_logps import chunked_backward, chunked_backward_tree, compute
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
 
+def _taken_grads(model) -> dict:
+    """Every parameter's gradient, cloned, the gradients then cleared."""
+    found = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return found
+
+
+def _assert_tree_gradients_match_dense(model) -> None:
+    """A random trie of depth 3: flex's gradients through compute_logps_tree and chunked_backward_tree equal dense's."""
+    ids, mask, score = pad_rows(random_tree_rows(2, depth=3, branching=3), 2)
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1))
+
+    def loss_fn(out, rows):
+        return (out.logps * weights[rows]).sum()
+
+    every = torch.arange(ids.shape[0])
+    loss_fn(compute_logps_tree(model, ids, mask, score, backend="dense"), every).backward()
+    reference = _taken_grads(model)
+    loss_fn(compute_logps_tree(model, ids, mask, score, backend="flex"), every).backward()
+    assert max_relative_grad_error(_taken_grads(model), reference) < 1e-4
+    chunked_backward_tree(model, ids, mask, score, loss_fn, rows_per_chunk=2, backend="flex")
+    assert max_relative_grad_error(_taken_grads(model), reference) < 1e-4
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("generations", [1, 4])
 def test_flex_forward_matches_dense(family, generations):
@@ -43,29 +67,12 @@ def test_flex_training_on_cpu_runs_its_mask_through_sdpa(family, monkeypatch):
     ours = compare_with_dense(model, prompts, comps, temperature=0.8, return_entropy=True, backend="flex", **batch)
     assert built and ours[0] < 1e-5 and ours[1] < 1e-5 and ours[2] < 1e-4, ours
 
-    ids, mask, score = pad_rows(random_tree_rows(2, depth=3, branching=3), 2)
-    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1))
-
-    def loss_fn(out, rows):
-        return (out.logps * weights[rows]).sum()
-
-    def grads():
-        found = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad(set_to_none=True)
-        return found
-
-    every = torch.arange(ids.shape[0])
-    loss_fn(compute_logps_tree(model, ids, mask, score, backend="dense"), every).backward()
-    reference = grads()
-    loss_fn(compute_logps_tree(model, ids, mask, score, backend="flex"), every).backward()
-    assert max_relative_grad_error(grads(), reference) < 1e-4
-    chunked_backward_tree(model, ids, mask, score, loss_fn, rows_per_chunk=2, backend="flex")
-    assert max_relative_grad_error(grads(), reference) < 1e-4
+    _assert_tree_gradients_match_dense(model)
 
     rows_weights = torch.randn(comps.shape, generator=torch.Generator().manual_seed(2))
     dense = compute_logps(model, prompts, comps, backend="dense", **batch)
     (dense.logps * rows_weights).sum().backward()
-    reference = grads()
+    reference = _taken_grads(model)
     for per_chunk in (1, 3):
         chunked_backward(
             model,
@@ -76,7 +83,7 @@ def test_flex_training_on_cpu_runs_its_mask_through_sdpa(family, monkeypatch):
             backend="flex",
             **batch,
         )
-        assert max_relative_grad_error(grads(), reference) < 1e-4
+        assert max_relative_grad_error(_taken_grads(model), reference) < 1e-4
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3_moe"])
@@ -94,24 +101,7 @@ def test_flex_scoring_of_trees_matches_dense(family, budget):
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_flex_gradients_of_trees_match_dense(family, flex_backward_on_cpu):
     model = build_model(family)
-    ids, mask, score = pad_rows(random_tree_rows(2, depth=3, branching=3), 2)
-    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(1))
-
-    def loss_fn(out, rows):
-        return (out.logps * weights[rows]).sum()
-
-    def grads():
-        found = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad(set_to_none=True)
-        return found
-
-    every = torch.arange(ids.shape[0])
-    loss_fn(compute_logps_tree(model, ids, mask, score, backend="dense"), every).backward()
-    reference = grads()
-    loss_fn(compute_logps_tree(model, ids, mask, score, backend="flex"), every).backward()
-    assert max_relative_grad_error(grads(), reference) < 1e-4
-    chunked_backward_tree(model, ids, mask, score, loss_fn, rows_per_chunk=2, backend="flex")
-    assert max_relative_grad_error(grads(), reference) < 1e-4
+    _assert_tree_gradients_match_dense(model)
 
 
 @pytest.mark.gpu

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
-from support.hybrid_models import HYBRID_FAMILIES
+from support.hybrid_models import HYBRID_FAMILIES, hybrid_config, hybrid_model_class
 
 from shared_prefix_logps import (
     UnsupportedModelError,
@@ -23,33 +22,9 @@ from shared_prefix_logps.model import prepare_model
 
 def _hybrid(family: str, layer_types: list[str]):
     """A tiny model of ``family`` with ``layer_types`` (one layer each)."""
-    common = dict(
-        vocab_size=101,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=len(layer_types),
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        layer_types=layer_types,
-        max_position_embeddings=64,
-    )
-    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
-    config, cls = {
-        "qwen3_5_text": (lambda: transformers.Qwen3_5TextConfig(**common), transformers.Qwen3_5ForCausalLM),
-        "qwen3_5_moe_text": (
-            lambda: transformers.Qwen3_5MoeTextConfig(**common, **moe),
-            transformers.Qwen3_5MoeForCausalLM,
-        ),
-        "qwen3_next": (lambda: transformers.Qwen3NextConfig(**common, **moe), transformers.Qwen3NextForCausalLM),
-    }[family]
+    config = hybrid_config(family, layer_types=layer_types, vocab_size=101, max_position_embeddings=64)
     torch.manual_seed(0)
-    return cls(config()).eval()
+    return hybrid_model_class(family)(config).eval()
 
 
 def _entry_point_calls():

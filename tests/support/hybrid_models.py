@@ -28,6 +28,56 @@ CONV_KERNEL = 4
 INITIALIZER_RANGE = 0.02
 
 
+#: The causal LM class (its name in transformers) of each of :data:`HYBRID_FAMILIES`.
+_MODEL_CLASS_NAMES = {
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+}
+
+
+def hybrid_model_class(family: str):
+    """The causal LM class of ``family`` (looked up when asked: transformers imports a family's modules on first
+    use)."""
+    return getattr(transformers, _MODEL_CLASS_NAMES[family])
+
+
+def hybrid_config(family: str, *, layer_types=("linear_attention", "full_attention", "linear_attention"), **overrides):
+    """The config of a tiny model of ``family`` (one of :data:`HYBRID_FAMILIES`): widths of 32, a layer per entry of
+    ``layer_types``, value heads outnumbering key heads, convolution kernel 4, MoE variants routing 2 of 4 experts
+    plus the shared expert; ``overrides`` (the vocabulary, tying, special tokens, ...) on top."""
+    fields = dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_conv_kernel_dim=CONV_KERNEL,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        layer_types=list(layer_types),
+    )
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    if family == "qwen3_5_text":
+        return transformers.Qwen3_5TextConfig(**fields, **overrides)
+    if family == "qwen3_5_moe_text":
+        return transformers.Qwen3_5MoeTextConfig(**fields, **moe, **overrides)
+    if family == "qwen3_next":
+        return transformers.Qwen3NextConfig(**fields, **moe, **overrides)
+    raise ValueError(f"unknown hybrid family {family!r}")
+
+
+def draw_moderate_decays(model) -> None:
+    """Each Gated DeltaNet value head's decay rate A drawn in [0.01, 1] (see :func:`build_hybrid`), in layer order
+    from the global generator."""
+    with torch.no_grad():
+        for mixer in recurrent_layers(model):
+            mixer.A_log.copy_(torch.empty_like(mixer.A_log).uniform_(0.01, 1.0).log())
+
+
 def build_hybrid(family: str, *, dtype=torch.float32, seed: int = 0, decay: str = "moderate"):
     """A 3-layer model of ``family`` (one of :data:`HYBRID_FAMILIES`) in eval mode.
 
@@ -37,38 +87,12 @@ def build_hybrid(family: str, *, dtype=torch.float32, seed: int = 0, decay: str 
     gradients (A_log, dt_bias) at ~1e-4 relative: the model's own dense forward moves that much when its rows are
     shifted by masked padding. Moderate decays keep that noise near 1e-6, below the tests' tolerance.
     """
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        linear_conv_kernel_dim=CONV_KERNEL,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        layer_types=["linear_attention", "full_attention", "linear_attention"],
-        max_position_embeddings=512,
-        initializer_range=INITIALIZER_RANGE,
-    )
-    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
-    if family == "qwen3_5_text":
-        config, cls = transformers.Qwen3_5TextConfig(**common), transformers.Qwen3_5ForCausalLM
-    elif family == "qwen3_5_moe_text":
-        config, cls = transformers.Qwen3_5MoeTextConfig(**common, **moe), transformers.Qwen3_5MoeForCausalLM
-    elif family == "qwen3_next":
-        config, cls = transformers.Qwen3NextConfig(**common, **moe), transformers.Qwen3NextForCausalLM
-    else:
-        raise ValueError(f"unknown hybrid family {family!r}")
+    config = hybrid_config(family, vocab_size=VOCAB, max_position_embeddings=512, initializer_range=INITIALIZER_RANGE)
+    cls = hybrid_model_class(family)
     torch.manual_seed(seed)
     model = cls(config)
     if decay == "moderate":
-        for mixer in recurrent_layers(model):
-            with torch.no_grad():
-                mixer.A_log.copy_(torch.empty_like(mixer.A_log).uniform_(0.01, 1.0).log())
+        draw_moderate_decays(model)
     elif decay != "default":
         raise ValueError(f"decay must be 'moderate' or 'default', got {decay!r}")
     if dtype == torch.float64 and family != "qwen3_5_text":

@@ -81,20 +81,11 @@ def build_model(family: str, vocab_size: int, eos: int, pad: int, seed: int = 0)
         )
         model = tf.Qwen2ForCausalLM(config)
     elif family == "qwen3_5":
-        config = tf.Qwen3_5TextConfig(
+        from support.hybrid_models import draw_moderate_decays, hybrid_config, hybrid_model_class
+
+        config = hybrid_config(
+            "qwen3_5_text",
             vocab_size=vocab_size,
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=8,
-            linear_conv_kernel_dim=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            layer_types=["linear_attention", "full_attention", "linear_attention"],
             max_position_embeddings=512,
             tie_word_embeddings=True,
             initializer_range=0.2,
@@ -102,11 +93,8 @@ def build_model(family: str, vocab_size: int, eos: int, pad: int, seed: int = 0)
             eos_token_id=eos,
             bos_token_id=None,
         )
-        model = tf.Qwen3_5ForCausalLM(config)
-        with torch.no_grad():  # moderate decays, as support.hybrid_models.build_hybrid draws them
-            for layer in model.model.layers:
-                if hasattr(layer, "linear_attn"):
-                    layer.linear_attn.A_log.copy_(torch.empty_like(layer.linear_attn.A_log).uniform_(0.01, 1.0).log())
+        model = hybrid_model_class("qwen3_5_text")(config)
+        draw_moderate_decays(model)  # as support.hybrid_models.build_hybrid draws them
     else:
         raise ValueError(f"family must be 'qwen2' or 'qwen3_5', got {family!r}")
     model.generation_config.eos_token_id = eos

@@ -263,22 +263,11 @@ def moe_model(family: str, seed: int = 0):
 def hybrid_model(seed: int = 0):
     """A 3-layer Qwen3.5 (Gated DeltaNet, gated attention, Gated DeltaNet; tied embeddings) over the tiny tokenizer's
     vocabulary, float32, with moderate decays as ``support.hybrid_models.build_hybrid`` draws them."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from support.hybrid_models import draw_moderate_decays, hybrid_config, hybrid_model_class
 
-    config = Qwen3_5TextConfig(
+    config = hybrid_config(
+        "qwen3_5_text",
         vocab_size=len(SPECIALS) + len(WORDS),
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        layer_types=["linear_attention", "full_attention", "linear_attention"],
         max_position_embeddings=128,
         tie_word_embeddings=True,
         pad_token_id=0,
@@ -286,11 +275,8 @@ def hybrid_model(seed: int = 0):
         bos_token_id=None,
     )
     torch.manual_seed(seed)
-    model = Qwen3_5ForCausalLM(config)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            if hasattr(layer, "linear_attn"):
-                layer.linear_attn.A_log.copy_(torch.empty_like(layer.linear_attn.A_log).uniform_(0.01, 1.0).log())
+    model = hybrid_model_class("qwen3_5_text")(config)
+    draw_moderate_decays(model)
     model.generation_config.eos_token_id = 1
     model.generation_config.pad_token_id = 0
     return model

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .flops import ModelShape, Workload, flop_floor
-from .memory import peak_memory
+from .memory import long_lived_objects_frozen, peak_memory
 from .methods import METHODS, Batch, method_unavailable
 
 
@@ -120,6 +120,11 @@ def run_cell(model, methods, shape: Shape, workload: str, *, repeats: int, on_re
     ``on_record(record)`` is called with each method's record as soon as it is final (skipped, failed, or measured),
     before the cell's other methods finish: a run stopped midway keeps what it measured.
     """
+    with long_lived_objects_frozen():
+        return _run_cell(model, methods, shape, workload, repeats=repeats, on_record=on_record)
+
+
+def _run_cell(model, methods, shape: Shape, workload: str, *, repeats: int, on_record=None) -> list[dict]:
     done = on_record or (lambda record: None)
     device = next(model.parameters()).device
     train = workload == "train"

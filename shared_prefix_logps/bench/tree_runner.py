@@ -16,7 +16,7 @@ import time
 import torch
 
 from .flops import ModelShape
-from .memory import peak_memory
+from .memory import long_lived_objects_frozen, peak_memory
 from .run_info import build_bench_model, load_average, progress_bar, run_meta, set_cpu_threads
 from .runner import failure_record, synchronize
 from .tree_flops import method_flops
@@ -74,6 +74,13 @@ def run_tree_cell(
     timing rounds are over), with the load average from the cell's start to then: a run stopped midway keeps what it
     measured.
     """
+    with long_lived_objects_frozen():
+        return _run_tree_cell(
+            model, methods, workload, train, repeats=repeats, dense_tokens=dense_tokens, on_record=on_record
+        )
+
+
+def _run_tree_cell(model, methods, workload, train, *, repeats, dense_tokens, on_record) -> list[dict]:
     device = next(model.parameters()).device
     case = TreeCase.of(workload, device, dense_tokens=dense_tokens)
     base = cell_base(model.config, workload, train)

@@ -116,3 +116,25 @@ def test_timed_runs_are_interleaved(model, monkeypatch):
     assert timed == ["dense", "expand", "chunked"] * 3
     assert sorted(memory) == ["chunked", "dense", "expand"]
     assert runner.METHODS is methods.METHODS
+
+
+def test_a_cell_keeps_only_what_lived_before_it_out_of_the_collector():
+    """Inside a cell (``long_lived_objects_frozen``) what existed before is frozen, a reference cycle the cell makes
+    is still collected, and everything is unfrozen after it."""
+    import gc
+    import weakref
+
+    from shared_prefix_logps.bench.memory import long_lived_objects_frozen
+
+    class Node:
+        pass
+
+    with long_lived_objects_frozen():
+        assert gc.get_freeze_count() > 0
+        cycle = Node()
+        cycle.self = cycle
+        alive = weakref.ref(cycle)
+        del cycle
+        gc.collect()
+        assert alive() is None
+    assert gc.get_freeze_count() == 0

@@ -73,6 +73,7 @@ def _stage_lines(results: list[dict]) -> dict[str, dict]:
     return {r["stage"]: r for r in results if r["name"] == "stage"}
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="bash script")
 def test_dry_run_every_stage_within_the_deadline(tmp_path):
     wheels = tmp_path / "wheels"

@@ -113,9 +113,9 @@ def check_entry_points(model, runner, *, entry_points=("compute_logps", "chunked
     [
         ("whole", "eager"),
         ("layers", "eager"),
-        ("whole", "aot_eager"),
-        ("layers", "aot_eager"),
-        ("regions", "aot_eager"),
+        pytest.param("whole", "aot_eager", marks=pytest.mark.slow),
+        pytest.param("layers", "aot_eager", marks=pytest.mark.slow),
+        pytest.param("regions", "aot_eager", marks=pytest.mark.slow),
     ],
 )
 def test_entry_points_exact_on_compiled_model(form, backend):
@@ -123,6 +123,7 @@ def test_entry_points_exact_on_compiled_model(form, backend):
     check_entry_points(model, compiled(model, form, backend))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("form", ["whole", "layers"])
 def test_compute_logps_exact_with_inductor(form):
     # inductor compiles C++ on CPU (minutes on a small machine per model form): one entry point per form
@@ -130,6 +131,7 @@ def test_compute_logps_exact_with_inductor(form):
     check_entry_points(model, compiled(model, form, "inductor"), entry_points=("compute_logps",))
 
 
+@pytest.mark.slow
 def test_layers_compiled_after_the_model_was_used():
     """The head check runs once per model; layers compiled after a first call still go through the exact path."""
     model = build_model("mistral")  # sliding window shorter than the rows
@@ -139,6 +141,7 @@ def test_layers_compiled_after_the_model_was_used():
     check_entry_points(model, compiled(model, "layers", "aot_eager"), entry_points=("compute_logps",))
 
 
+@pytest.mark.slow
 def test_peft_model_compiled_whole():
     peft = pytest.importorskip("peft")
     model = peft.get_peft_model(build_model("qwen2"), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))

@@ -177,6 +177,7 @@ def test_processes_with_different_rows_stay_in_step(engine, scenario):
     _check_against_dense(results, scenario)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_zero3_processes_with_different_rows_stay_in_step(monkeypatch, scenario):
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")

@@ -215,6 +215,7 @@ def test_tree_entry_points_stay_in_step_and_exact(engine, scenario):
     _check(results, scenario)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario, accumulation", [("same", 1), ("different", 1), ("different", 2)])
 def test_zero3_tree_entry_points_stay_in_step_and_exact(monkeypatch, scenario, accumulation):
     pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install -e '.[deepspeed]')")

@@ -210,6 +210,7 @@ def test_non_reentrant_gradient_checkpointing(family):
     )
 
 
+@pytest.mark.slow
 def test_compiled_layers():
     """Each decoder layer compiled (aot_eager: dynamo's trace and a traced backward); the recurrent layers of a node
     call run eagerly between graph breaks, as its attention and head do."""

@@ -26,7 +26,14 @@ def baseline(tmp_path_factory):
     return record_training(make_trainer(tmp_path_factory.mktemp("base"), **SETTINGS))
 
 
-@pytest.mark.parametrize("mode, regional", [("logps", False), ("chunked", False), ("chunked", True)])
+@pytest.mark.parametrize(
+    "mode, regional",
+    [
+        ("logps", False),
+        pytest.param("chunked", False, marks=pytest.mark.slow),
+        pytest.param("chunked", True, marks=pytest.mark.slow),
+    ],
+)
 def test_patched_compiled_trainer_matches_unpatched(mode, regional, baseline, tmp_path, monkeypatch):
     torch._dynamo.reset()
     if regional:

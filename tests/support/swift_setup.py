@@ -22,17 +22,9 @@ os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 
 import torch  # noqa: E402
 
+from support.trl_tiny import PROMPTS  # noqa: E402  (the TRL tests' prompts; that module imports no trainer)
+
 CHAT_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-PROMPTS = [
-    "the cat sat on the mat",
-    "a dog ran",
-    "one two three",
-    "the big red dog sat on a small blue rug",
-    "yes",
-    "no no yes and the cat",
-    "two small dogs",
-    "a red mat and a blue rug",
-]
 REWARD_PLUGIN = Path(__file__).with_name("swift_reward_plugin.py")
 RECORD_PLUGIN = Path(__file__).with_name("swift_record_plugin.py")
 REPO = Path(__file__).resolve().parents[2]

@@ -665,10 +665,10 @@ def _speed_cell(
     model = build_preset(preset, dtype=torch.bfloat16 if cuda else torch.float32, device=device, layers=layers)
     model.train(False)
     train = workload == "train"
-    runnable = [m for m in methods if method_unavailable(m, device, train) is None]
+    runnable = [m for m in methods if method_unavailable(m) is None]
     for method in methods:
         if method not in runnable:
-            checks.recorder.record(f"{label} {method}", "skipped", reason=method_unavailable(method, device, train))
+            checks.recorder.record(f"{label} {method}", "skipped", reason=method_unavailable(method))
     if "flex" in runnable:
         # Compile flex apart, so a compilation that cannot finish costs this line, not the timed cell.
         batch = make_batch(shape, model.config.vocab_size, device)

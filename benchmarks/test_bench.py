@@ -50,7 +50,7 @@ def model():
 )
 def test_method(benchmark, model, shape, method, workload):
     train = workload == "train"
-    reason = method_unavailable(method, DEVICE, train)
+    reason = method_unavailable(method)
     if reason:
         pytest.skip(reason)
     step = METHODS[method][0]

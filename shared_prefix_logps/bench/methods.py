@@ -183,32 +183,31 @@ def _flash_available() -> bool:
     return flash_kernels.kernels_for(torch.device("cuda")) is not None
 
 
-#: name -> (step, needs CUDA for train, available). "dense" is the conventional full-row forward with
-#: trainers' usual ``logits_to_keep`` head, without padding work (:func:`_dense`); "trl" full rows padded to the
-#: longest prompt, with their padding mask, through TRL's fused chunked head.
+#: name -> (step, available); every method trains on CPU too (flex through its materialized trie mask). "dense" is
+#: the conventional full-row forward with trainers' usual ``logits_to_keep`` head, without padding work
+#: (:func:`_dense`); "trl" full rows padded to the longest prompt, with their padding mask, through TRL's fused
+#: chunked head.
 #: The competitors of :mod:`.competitors` ("prefix_grouper", "liger") are always listed; they are skipped with
 #: "not installed" where their package does not import.
-METHODS: dict[str, tuple[Step, bool, Callable[[], bool]]] = {
-    "dense": (_dense, False, lambda: True),
-    "trl": (_trl_rows, False, _trl_available),
-    "kv_expand": (_kv_expand, False, lambda: True),
-    "expand": (compute_logps_step("expand"), False, lambda: True),
-    "flex": (compute_logps_step("flex"), True, lambda: True),
-    "flash": (compute_logps_step("flash"), False, _flash_available),
-    "chunked": (_chunked, False, lambda: True),
-    **{name: (step, False, available) for name, (step, available, _) in competitors.COMPETITORS.items()},
+METHODS: dict[str, tuple[Step, Callable[[], bool]]] = {
+    "dense": (_dense, lambda: True),
+    "trl": (_trl_rows, _trl_available),
+    "kv_expand": (_kv_expand, lambda: True),
+    "expand": (compute_logps_step("expand"), lambda: True),
+    "flex": (compute_logps_step("flex"), lambda: True),
+    "flash": (compute_logps_step("flash"), _flash_available),
+    "chunked": (_chunked, lambda: True),
+    **{name: (step, available) for name, (step, available, _) in competitors.COMPETITORS.items()},
 }
 
 
-def method_unavailable(name: str, device: torch.device, train: bool) -> str | None:
-    """Why ``name`` cannot run here, or None when it can."""
+def method_unavailable(name: str) -> str | None:
+    """Why ``name`` cannot run here (unknown, or its package not installed), or None when it can."""
     if name not in METHODS:
         return f"unknown method {name!r}; choose from {', '.join(METHODS)}"
-    _, needs_cuda_for_train, available = METHODS[name]
+    _, available = METHODS[name]
     if not available():
         package = competitors.COMPETITORS[name][2] if name in competitors.COMPETITORS else name
         package = "'shared-prefix-logps[flash]'" if name == "flash" else package
         return f"not installed (pip install {package})"
-    if train and needs_cuda_for_train and device.type != "cuda":
-        return "backward needs CUDA"
     return None

@@ -136,7 +136,7 @@ def _run_cell(model, methods, shape: Shape, workload: str, *, repeats: int, on_r
     reference = None
     for method in ordered:
         record = records[method]
-        reason = method_unavailable(method, device, train)
+        reason = method_unavailable(method)
         if reason is not None:
             record.update(status="skipped", reason=reason)
             done(record)

@@ -44,7 +44,7 @@ def _check(model, batch, method):
 @pytest.mark.parametrize("method", ["prefix_grouper", "liger"])
 def test_matches_dense_on_a_grpo_batch(method):
     pytest.importorskip(PACKAGES[method])
-    assert method in METHODS and method_unavailable(method, torch.device("cpu"), True) is None
+    assert method in METHODS and method_unavailable(method) is None
     model = build_model("qwen2")
     batch = make_batch(Shape(3, 12, 7, 4), model.config.vocab_size, "cpu")
     _check(model, batch, method)
@@ -95,7 +95,7 @@ def test_liger_edge_cases_and_refuses_softcapped_heads():
 
 
 def test_uninstalled_competitor_is_reported(monkeypatch):
-    step, needs_cuda, _ = METHODS["liger"]
-    monkeypatch.setitem(METHODS, "liger", (step, needs_cuda, lambda: False))
-    assert method_unavailable("liger", torch.device("cpu"), False) == "not installed (pip install liger-kernel)"
-    assert method_unavailable("nope", torch.device("cpu"), False).startswith("unknown method")
+    step, _ = METHODS["liger"]
+    monkeypatch.setitem(METHODS, "liger", (step, lambda: False))
+    assert method_unavailable("liger") == "not installed (pip install liger-kernel)"
+    assert method_unavailable("nope").startswith("unknown method")

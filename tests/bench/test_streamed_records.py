@@ -47,8 +47,8 @@ def _interrupted_on_call(step, call: int):
 def test_bench_records_are_on_disk_before_the_run_is_stopped(tmp_path, monkeypatch):
     # Per cell: warm-up, one timed round, then the peak run per method. The third call of the last method (its peak
     # run on the first cell) is interrupted: dense's and expand's records of that cell are final by then.
-    step, needs_cuda, available = methods.METHODS["dense"]
-    monkeypatch.setitem(methods.METHODS, "last", (_interrupted_on_call(step, 3), needs_cuda, available))
+    step, available = methods.METHODS["dense"]
+    monkeypatch.setitem(methods.METHODS, "last", (_interrupted_on_call(step, 3), available))
     with pytest.raises(KeyboardInterrupt):
         main([*BENCH, *SHAPE, "--methods", "dense,expand,last", "--output", str(tmp_path), "--name", "run"])
     assert not (tmp_path / "run.json").exists()  # the full results file is written at the end only
